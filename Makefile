@@ -1,0 +1,32 @@
+# The two commands: `make train` (the main job) and `make test` (the suite).
+# Both create .venv on first use with pinned versions and reuse it afterwards.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LINGVO := lingvo==0.14.2
+
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: setup train test clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt setup.py tools/lingvo_compat.py
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "lingvo_gpipe needs Python 3.11 (tensorflow 2.21 + lingvo 0.14.2); $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=/path/to/python3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(LINGVO)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) tools/lingvo_compat.py --venv $(VENV)
+	@touch $@
+
+train: $(STAMP)
+	$(PY) tools/train.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,320 @@
+"""GPipeSequentialLayer: a Lingvo layer that runs its cells as a GPipe pipeline.
+
+    p = GPipeSequentialLayer.Params().Set(
+        name='pipe', cell_tpl=[fc0, fc1, fc2, fc3], num_stages=2,
+        num_micro_batches=4)
+    layer = p.Instantiate()
+    y = layer.FProp(layer.theta, x)
+
+The cells are created exactly as `builder_layers.SequentialLayer` would create
+them (same variable names, `theta[cell_name]`), so checkpoints move freely
+between pipeline shapes and the plain sequential model. The pipeline shape
+(stages, devices, micro-batches, recompute) only changes how FProp runs.
+"""
+
+import contextlib
+
+from absl import logging
+from lingvo import compat as tf
+from lingvo.core import base_layer
+from lingvo.core import py_utils
+
+from lingvo_gpipe import microbatch
+from lingvo_gpipe import partition as partition_lib
+from lingvo_gpipe import pipeline
+from lingvo_gpipe import placement
+from lingvo_gpipe import schedule
+
+_PARTITION_NAMES = ('uniform',)
+
+
+def _ToTuple(x):
+  return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+@contextlib.contextmanager
+def MicroBatchSeeds(micro_batch_id):
+  """Seeds Lingvo's stateless random ops from the micro-batch id.
+
+  Inside this context `py_utils.GenerateStepSeedPair` returns
+  [micro_batch_id, step seed] (plus the layer's random_seed and op seed)
+  instead of [global step, step seed], so every micro-batch of every step draws
+  its own masks and a recompute that replays the same trace draws the same.
+
+  Args:
+    micro_batch_id: int64 scalar tensor, global_step * M + micro-batch index.
+
+  Yields:
+    Nothing.
+  """
+  original = py_utils.GenerateStepSeedPair
+
+  def GenerateStepSeedPair(p, op_seed=None):
+    if p.is_inference and p.random_seed is None:
+      return original(p, op_seed)
+    seed_dtype = tf.int32 if py_utils.use_tpu() else tf.int64
+    seeds = tf.stack([
+        tf.cast(micro_batch_id, seed_dtype),
+        tf.cast(py_utils.GetIncStepSeed(), seed_dtype)
+    ])
+    if p.random_seed is not None:
+      seeds += p.random_seed
+    if op_seed is not None:
+      seeds += tf.cast(op_seed, seed_dtype)
+    return seeds
+
+  py_utils.GenerateStepSeedPair = GenerateStepSeedPair
+  try:
+    yield
+  finally:
+    py_utils.GenerateStepSeedPair = original
+
+
+class GPipeSequentialLayer(base_layer.BaseLayer):
+  """Runs a sequence of cells as a K-stage, M-micro-batch GPipe pipeline."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define(
+        'cell_tpl', [], 'Params of the cells, in order. Each needs a unique '
+        'name; the output of cell i is the input of cell i + 1.')
+    p.Define(
+        'num_stages', None, 'K, the number of pipeline stages (devices); '
+        'None for one stage per cell. At most the number of cells.')
+    p.Define(
+        'partition', 'uniform', "How cells are grouped into stages: 'uniform' "
+        '(equal cell counts) or an explicit list of cells per stage.')
+    p.Define(
+        'num_micro_batches', 1, 'M, the number of micro-batches each '
+        'mini-batch is split into. Must divide the batch size.')
+    p.Define(
+        'micro_batch_size', None, 'Alternative to num_micro_batches: the '
+        'size of one micro-batch; M = batch size / micro_batch_size.')
+    p.Define('batch_dim', 0, 'The batch dimension of every input and output.')
+    p.Define(
+        'remat', 'always', "Re-materialization: 'always' (keep each stage's "
+        "micro-batch inputs, recompute the rest in the backward pass), "
+        "'except_last' (not for the last micro-batch) or 'never'.")
+    p.Define(
+        'devices', None, 'K device strings, one per stage. None: the '
+        "Lingvo cluster's model split if it has K devices, else K local "
+        'devices of one type, else the default device.')
+    p.Define(
+        'nested_map_fprop', False, 'If True, cells take and return one '
+        'NestedMap instead of positional tensors.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self._partition = self._CheckParams()
+    for cell_p in p.cell_tpl:
+      self.CreateChild(cell_p.name, cell_p)
+    self._cells = [self.children[cell_p.name] for cell_p in p.cell_tpl]
+    logging.info('%s: %d cells in %d stages %s', p.name, len(p.cell_tpl),
+                 len(self._partition), self._partition)
+
+  def _CheckParams(self):
+    """Validates the params; returns the partition (cells per stage).
+
+    Returns:
+      A list of K positive ints.
+
+    Raises:
+      ValueError: naming the parameter, its value and what would be valid.
+    """
+    p = self.params
+    if not p.cell_tpl:
+      raise ValueError('cell_tpl is empty; give at least one cell Params.')
+    names = [c.name for c in p.cell_tpl]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates or not all(names):
+      raise ValueError(f'cell_tpl names {names} must be unique and non-empty; '
+                       f'repeated: {duplicates}.')
+    num_cells = len(names)
+    if isinstance(p.partition, str):
+      if p.partition not in _PARTITION_NAMES:
+        raise ValueError(f'partition={p.partition!r} is not supported; use one '
+                         f'of {list(_PARTITION_NAMES)} or a list of cells per '
+                         'stage.')
+      num_stages = num_cells if p.num_stages is None else p.num_stages
+      counts = partition_lib.UniformPartition(num_cells, num_stages)
+    else:
+      counts = partition_lib.CheckPartition(p.partition, num_cells,
+                                            p.num_stages)
+    pipeline.CheckRemat(p.remat)
+    placement.CheckDevices(p.devices, len(counts))
+    if (not isinstance(p.num_micro_batches, int) or
+        isinstance(p.num_micro_batches, bool) or p.num_micro_batches < 1):
+      raise ValueError(f'num_micro_batches={p.num_micro_batches!r} must be a '
+                       'positive int.')
+    if p.micro_batch_size is not None:
+      if not isinstance(p.micro_batch_size, int) or p.micro_batch_size < 1:
+        raise ValueError(f'micro_batch_size={p.micro_batch_size!r} must be a '
+                         'positive int or None.')
+      if p.num_micro_batches != 1:
+        raise ValueError(
+            f'micro_batch_size={p.micro_batch_size} and num_micro_batches='
+            f'{p.num_micro_batches} are both set; set only one of them.')
+    if not isinstance(p.batch_dim, int) or p.batch_dim < 0:
+      raise ValueError(f'batch_dim={p.batch_dim!r} must be an int >= 0.')
+    return counts
+
+  @property
+  def partition(self):
+    """Cells per stage, a list of K positive ints."""
+    return list(self._partition)
+
+  @property
+  def num_stages(self):
+    return len(self._partition)
+
+  def _StageCells(self):
+    """The cells of each stage, as lists."""
+    stages, start = [], 0
+    for count in self._partition:
+      stages.append(self._cells[start:start + count])
+      start += count
+    return stages
+
+  def NumMicroBatches(self, batch_size):
+    """M for a mini-batch of `batch_size` (None if unknown statically).
+
+    Args:
+      batch_size: The static batch size, or None.
+
+    Returns:
+      M.
+
+    Raises:
+      ValueError: if the batch does not split into M (or micro_batch_size)
+        micro-batches.
+    """
+    p = self.params
+    if p.micro_batch_size is None:
+      if batch_size is not None:
+        microbatch.MicroBatchSize(batch_size, p.num_micro_batches)
+      return p.num_micro_batches
+    if batch_size is None:
+      raise ValueError(f'micro_batch_size={p.micro_batch_size} needs a static '
+                       'batch size; the inputs have none. Set '
+                       'num_micro_batches instead.')
+    if batch_size % p.micro_batch_size:
+      raise ValueError(
+          f'micro_batch_size={p.micro_batch_size} does not divide the batch '
+          f'size {batch_size}; use a divisor of {batch_size}.')
+    return batch_size // p.micro_batch_size
+
+  def StageDevices(self):
+    """The device of every stage (see `placement.StageDevices`)."""
+    num_stages = self.num_stages
+    model_split = None
+    if self.cluster.num_devices_per_split == num_stages:
+      model_split = [
+          self.cluster.WorkerDeviceInModelSplit(k) for k in range(num_stages)
+      ]
+    return placement.StageDevices(num_stages, self.params.devices, model_split)
+
+  def BubbleFraction(self, batch_size):
+    """The idle fraction (K - 1) / (M + K - 1) of a step with this batch."""
+    return schedule.BubbleFraction(self.num_stages,
+                                   self.NumMicroBatches(batch_size))
+
+  def _MakeStageFn(self, cells, structs, k):
+    """The engine's stage function for cells of stage k.
+
+    Args:
+      cells: The stage's cells, in order.
+      structs: A list of K + 1 NestedMap templates of the stage boundaries
+        (nested_map_fprop only); entry k + 1 is filled when stage k is traced.
+      k: The stage index.
+
+    Returns:
+      A function (theta, inputs, state, micro_batch_id) -> (outputs, state).
+    """
+    p = self.params
+
+    def StageFn(theta, inputs, state, micro_batch_id):
+      args = (structs[k].Pack(list(inputs)),) if p.nested_map_fprop else inputs
+      new_state = py_utils.NestedMap()
+      with MicroBatchSeeds(micro_batch_id):
+        for cell in cells:
+          name = cell.params.name
+          cell.SetAccumulatorValues(state[name])
+          py_utils.ResetStepSeed(py_utils.GenerateSeedFromName(cell.path))
+          args = _ToTuple(cell.FProp(theta[name], *args))
+          new_state[name] = cell.GetAccumulatorValues()
+          cell.accumulators.Transform(lambda acc: acc.Reset())
+      if p.nested_map_fprop:
+        structs[k + 1] = args[0]
+        return args[0].Flatten(), new_state
+      return args, new_state
+
+    return StageFn
+
+  def FProp(self, theta, *args):
+    """Runs the cells as a pipeline.
+
+    Args:
+      theta: A NestedMap with one entry per cell (`theta[cell_name]`).
+      *args: The first cell's inputs (tensors or None), or one NestedMap if
+        nested_map_fprop.
+
+    Returns:
+      The last cell's outputs, merged back into the mini-batch: a tensor or a
+      tuple, or a NestedMap if nested_map_fprop.
+
+    Raises:
+      ValueError: if the batch does not split into micro-batches as configured.
+    """
+    p = self.params
+    if p.nested_map_fprop:
+      if len(args) != 1 or not isinstance(args[0], py_utils.NestedMap):
+        raise ValueError('nested_map_fprop=True: FProp takes one NestedMap, '
+                         f'got {args!r}.')
+      flat_inputs = args[0].Flatten()
+    else:
+      flat_inputs = list(args)
+    num_micro = self.NumMicroBatches(
+        microbatch.StaticBatchSize(flat_inputs, p.batch_dim))
+    training = not self.do_eval
+    if not training and self.num_stages == 1:
+      num_micro = 1  # Without a backward pass there is nothing to overlap.
+
+    stage_cells = self._StageCells()
+    structs = [None] * (self.num_stages + 1)
+    if p.nested_map_fprop:
+      structs[0] = args[0]
+    stage_fns = [
+        self._MakeStageFn(cells, structs, k)
+        for k, cells in enumerate(stage_cells)
+    ]
+    thetas = [
+        py_utils.NestedMap({c.params.name: theta[c.params.name] for c in cells})
+        for cells in stage_cells
+    ]
+    states = [
+        py_utils.NestedMap(
+            {c.params.name: c.GetAccumulatorValues() for c in cells})
+        for cells in stage_cells
+    ]
+    engine = pipeline.Pipeline(
+        stage_fns,
+        self.StageDevices(),
+        num_micro,
+        batch_dim=p.batch_dim,
+        remat=p.remat,
+        name='gpipe')
+    outputs, states = engine(
+        thetas,
+        flat_inputs,
+        states,
+        step=py_utils.GetGlobalStep(),
+        training=training)
+    for cells, state in zip(stage_cells, states):
+      for cell in cells:
+        cell.SetAccumulatorValues(state[cell.params.name])
+    if p.nested_map_fprop:
+      return structs[-1].Pack(outputs)
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -1,0 +1,112 @@
+"""Splitting a mini-batch into micro-batches and merging them back.
+
+Inputs are flat sequences whose entries are tensors or None (None stays None in
+every micro-batch). Everything is split along one batch dimension.
+
+    size = MicroBatchSize(batch_size=32, num_micro_batches=4)   # 8
+    parts = Split([x, None], num_micro_batches=4, batch_dim=0)  # 4 x [x_i, None]
+    x_again = Merge(parts, batch_dim=0)[0]
+"""
+
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+MaybeTensor = Optional[tf.Tensor]
+
+
+def MicroBatchSize(batch_size: int, num_micro_batches: int) -> int:
+  """Checks that a batch splits evenly into M micro-batches.
+
+  Args:
+    batch_size: The mini-batch size along the batch dimension.
+    num_micro_batches: M.
+
+  Returns:
+    The micro-batch size, batch_size // M.
+
+  Raises:
+    ValueError: if M is not in [1, batch_size] or does not divide the batch.
+  """
+  if num_micro_batches > batch_size:
+    raise ValueError(
+        f'num_micro_batches={num_micro_batches} is larger than the batch size '
+        f'{batch_size}; use a value in [1, {batch_size}].')
+  if batch_size % num_micro_batches:
+    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+    raise ValueError(
+        f'num_micro_batches={num_micro_batches} does not divide the batch size '
+        f'{batch_size}; valid values are {divisors}.')
+  return batch_size // num_micro_batches
+
+
+def StaticBatchSize(inputs: Sequence[MaybeTensor],
+                    batch_dim: int) -> Optional[int]:
+  """The common static size of `inputs` along `batch_dim`.
+
+  Args:
+    inputs: Tensors or None.
+    batch_dim: The batch dimension.
+
+  Returns:
+    The batch size, or None if no input has a static size there.
+
+  Raises:
+    ValueError: if an input has too few dimensions or the inputs disagree.
+  """
+  sizes = set()
+  for i, x in enumerate(inputs):
+    if x is None:
+      continue
+    shape = x.shape
+    if shape.rank is not None:
+      if shape.rank <= batch_dim:
+        raise ValueError(
+            f'batch_dim={batch_dim} but input {i} has shape {shape}; '
+            f'batch_dim must be in [0, {shape.rank - 1}] for it.')
+      if shape[batch_dim] is not None:
+        sizes.add(shape[batch_dim])
+  if len(sizes) > 1:
+    raise ValueError(f'Inputs disagree on the batch size along batch_dim='
+                     f'{batch_dim}: {sorted(sizes)}.')
+  return sizes.pop() if sizes else None
+
+
+def Split(inputs: Sequence[MaybeTensor], num_micro_batches: int,
+          batch_dim: int) -> List[List[MaybeTensor]]:
+  """Splits every input into M equal micro-batches.
+
+  Args:
+    inputs: Tensors or None.
+    num_micro_batches: M.
+    batch_dim: The dimension to split along.
+
+  Returns:
+    M lists, the m-th holding micro-batch m of every input (None stays None).
+  """
+  if num_micro_batches == 1:
+    return [list(inputs)]
+  pieces = [
+      [None] * num_micro_batches if x is None else tf.split(
+          x, num_micro_batches, axis=batch_dim) for x in inputs
+  ]
+  return [[p[m] for p in pieces] for m in range(num_micro_batches)]
+
+
+def Merge(micro_batches: Sequence[Sequence[MaybeTensor]],
+          batch_dim: int) -> List[MaybeTensor]:
+  """Concatenates micro-batch outputs back into mini-batch outputs, in order.
+
+  Args:
+    micro_batches: M sequences of outputs with None at the same positions.
+    batch_dim: The dimension to concatenate along.
+
+  Returns:
+    One list of outputs.
+  """
+  if len(micro_batches) == 1:
+    return list(micro_batches[0])
+  merged = []
+  for parts in zip(*micro_batches):
+    merged.append(None if parts[0] is None else tf.concat(parts, batch_dim))
+  return merged

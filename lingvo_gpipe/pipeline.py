@@ -1,0 +1,153 @@
+"""The GPipe engine: K stage functions run over M micro-batches on K devices.
+
+Knows TensorFlow, not Lingvo. A stage function maps
+`(theta, inputs, state, micro_batch_id)` to `(outputs, state)` (see
+`stage.py`). The engine splits the inputs into micro-batches, calls stage k on
+micro-batch m under `tf.device(devices[k])` in the order of
+`schedule.GPipeSchedule`, optionally re-materializes each call in the backward
+pass, and concatenates the last stage's outputs back in order. Gradients of
+the M micro-batches add up to the gradient of the mini-batch, so the step is
+the same as without the pipeline. The graph is the same in TF1 graph mode,
+inside `tf.function` and under XLA (`jit_compile=True`).
+
+    pipe = Pipeline([stage0_fn, stage1_fn], devices=['/cpu:0', '/cpu:1'],
+                    num_micro_batches=4, remat='always')
+    outputs, states = pipe([theta0, theta1], [x], step=global_step)
+"""
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from lingvo_gpipe import microbatch
+from lingvo_gpipe import schedule
+from lingvo_gpipe import stage as stage_lib
+
+REMAT_MODES = ('always', 'except_last', 'never')
+
+
+def CheckRemat(remat: str) -> None:
+  """Raises ValueError unless `remat` is one of `REMAT_MODES`."""
+  if remat not in REMAT_MODES:
+    raise ValueError(f'remat={remat!r} is not supported; use one of '
+                     f'{list(REMAT_MODES)}.')
+
+
+class Pipeline:
+  """Runs stage functions as a GPipe pipeline.
+
+  Attributes:
+    num_stages: K.
+    num_micro_batches: M.
+    devices: The K device strings ('' leaves placement to TensorFlow).
+    batch_dim: The dimension inputs are split along and outputs merged along.
+    remat: 'always', 'except_last' or 'never'.
+  """
+
+  def __init__(self,
+               stage_fns: Sequence[stage_lib.StageFn],
+               devices: Sequence[str],
+               num_micro_batches: int,
+               batch_dim: int = 0,
+               remat: str = 'always',
+               name: str = 'gpipe'):
+    """Checks the configuration; builds nothing yet.
+
+    Args:
+      stage_fns: K stage functions, see `stage.py`.
+      devices: K device strings, one per stage.
+      num_micro_batches: M >= 1.
+      batch_dim: The batch dimension of every input and output.
+      remat: Which calls recompute their forward pass in the backward pass:
+        'always', 'except_last' (all but the last micro-batch) or 'never'.
+      name: Name scope of the pipeline's ops.
+
+    Raises:
+      ValueError: on an empty stage list, a device list of another length, a
+        non-positive M, a negative batch_dim or an unknown remat mode.
+    """
+    if not stage_fns:
+      raise ValueError('stage_fns is empty; a pipeline needs at least 1 stage.')
+    if len(devices) != len(stage_fns):
+      raise ValueError(f'devices has {len(devices)} entries {list(devices)} '
+                       f'but there are {len(stage_fns)} stages; give one '
+                       'device per stage.')
+    if (not isinstance(num_micro_batches, int) or
+        isinstance(num_micro_batches, bool) or num_micro_batches < 1):
+      raise ValueError(f'num_micro_batches={num_micro_batches!r} must be a '
+                       'positive int.')
+    if not isinstance(batch_dim, int) or batch_dim < 0:
+      raise ValueError(f'batch_dim={batch_dim!r} must be an int >= 0.')
+    CheckRemat(remat)
+    self._stage_fns = list(stage_fns)
+    self.num_stages = len(stage_fns)
+    self.devices = list(devices)
+    self.num_micro_batches = num_micro_batches
+    self.batch_dim = batch_dim
+    self.remat = remat
+    self._name = name
+
+  def _Recomputes(self, micro_batch: int, training: bool) -> bool:
+    if not training or self.remat == 'never':
+      return False
+    return self.remat == 'always' or micro_batch < self.num_micro_batches - 1
+
+  def __call__(self,
+               thetas: Sequence[Any],
+               inputs: Sequence[Optional[tf.Tensor]],
+               states: Optional[Sequence[Any]] = None,
+               step: Optional[tf.Tensor] = None,
+               training: bool = True
+              ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
+    """Builds one pipelined pass.
+
+    Args:
+      thetas: K nests of weights (tensors or variables), one per stage.
+      inputs: The mini-batch inputs, tensors or None.
+      states: K nests of initial stage states (default: empty).
+      step: Integer scalar; micro-batch m of this call gets the id
+        step * M + m (default step 0).
+      training: If False, nothing is set up for recompute.
+
+    Returns:
+      (outputs, states): the last stage's outputs merged along batch_dim, and
+      each stage's state after the last micro-batch.
+
+    Raises:
+      ValueError: if thetas or states do not have K entries, or the batch does
+        not split into M micro-batches.
+    """
+    num_stages, num_micro = self.num_stages, self.num_micro_batches
+    if len(thetas) != num_stages:
+      raise ValueError(f'thetas has {len(thetas)} entries, expected '
+                       f'{num_stages}.')
+    states = list(states) if states is not None else [()] * num_stages
+    if len(states) != num_stages:
+      raise ValueError(f'states has {len(states)} entries, expected '
+                       f'{num_stages}.')
+    batch = microbatch.StaticBatchSize(inputs, self.batch_dim)
+    if batch is not None:
+      microbatch.MicroBatchSize(batch, num_micro)
+
+    with tf.name_scope(self._name):
+      with tf.device(self.devices[0]):
+        micro_inputs = microbatch.Split(inputs, num_micro, self.batch_dim)
+        first_id = (tf.constant(0, tf.int64) if step is None else
+                    tf.cast(step, tf.int64) * num_micro)
+      stages, chains = [], []
+      for k in range(num_stages):
+        stages.append(stage_lib.Stage(self._stage_fns[k], f'stage {k}'))
+        with tf.device(self.devices[k]):
+          chains.append(stages[k].StartChain(thetas[k]))
+      outputs = [[None] * num_micro for _ in range(num_stages)]
+      for tick in schedule.GPipeSchedule(num_stages, num_micro):
+        for k, m in tick:
+          x = micro_inputs[m] if k == 0 else outputs[k - 1][m]
+          with tf.device(self.devices[k]), tf.name_scope(f'stage{k}'):
+            outputs[k][m], states[k], chains[k] = stages[k].Call(
+                chains[k], x, states[k], first_id + m,
+                remat=self._Recomputes(m, training),
+                last=m == num_micro - 1)
+      with tf.device(self.devices[-1]):
+        merged = microbatch.Merge(outputs[-1], self.batch_dim)
+    return merged, states

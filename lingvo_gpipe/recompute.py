@@ -1,0 +1,90 @@
+"""Re-materialization: a stage call whose backward pass recomputes its forward.
+
+The forward pass keeps only the call's inputs (weights, micro-batch, state).
+The gradient first waits for every upstream gradient of the call, including
+the chain gradient of the stage's next micro-batch, and only then reruns the
+traced forward body inside the traced backward function. Without that wait a
+TF graph would start every recompute as soon as its inputs exist, i.e. during
+the forward pass, and peak memory would exceed the plain model's.
+
+    results, token, theta = RecomputingCall(forward, backward, theta, x, state,
+                                            mb_id, token=t, pass_theta=True)
+"""
+
+from typing import Callable, List, Sequence, Tuple
+
+import tensorflow as tf
+
+
+def _Gate(tensors: Sequence[tf.Tensor],
+          after: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+  """Identities of `tensors` that exist only once all of `after` exist."""
+  after = [t for t in after if t is not None]
+  with tf.control_dependencies(after):
+    return [tf.identity(t) for t in tensors]
+
+
+def _AddOptional(a, b):
+  if a is None:
+    return b
+  return a if b is None else a + b
+
+
+def RecomputingCall(forward: Callable, backward: Callable,
+                    theta: List[tf.Tensor], x: List[tf.Tensor],
+                    state: List[tf.Tensor], micro_batch_id: tf.Tensor, *,
+                    token: tf.Tensor, pass_theta: bool
+                   ) -> Tuple[List[tf.Tensor], tf.Tensor, List[tf.Tensor]]:
+  """Calls `forward` so that its gradient is computed by `backward`.
+
+  Args:
+    forward: (theta, x, state, micro_batch_id) -> outputs + new state (flat).
+    backward: (theta, x, state, micro_batch_id, d_results) -> gradients of
+      theta + x + state (None for non-differentiable entries); it recomputes
+      the forward body itself.
+    theta: Flat weights of the stage.
+    x: The micro-batch inputs (tensors only).
+    state: Flat stage state before this micro-batch.
+    micro_batch_id: int64 scalar.
+    token: The chain's scalar token.
+    pass_theta: Whether to pass the weights on to the next micro-batch.
+
+  Returns:
+    (results, token, theta): the forward results, the chain's next token and
+    the weights passed on (empty if not `pass_theta`).
+  """
+  n_theta, n_x, n_state = len(theta), len(x), len(state)
+
+  @tf.custom_gradient
+  def Call(*flat):
+    theta_in = list(flat[:n_theta])
+    x_in = list(flat[n_theta:n_theta + n_x])
+    state_in = list(flat[n_theta + n_x:n_theta + n_x + n_state])
+    token_in = flat[-1]
+    results = forward(theta_in, x_in, state_in, micro_batch_id)
+    chain_out = _Gate([token_in] + (theta_in if pass_theta else []), results)
+    num_results = len(results)
+
+    def Grad(*d_flat, variables=None):
+      d_results = list(d_flat[:num_results])
+      d_token_out = d_flat[num_results]
+      if d_token_out is None:
+        d_token_out = tf.zeros_like(token_in)
+      d_theta_out = list(d_flat[num_results + 1:]) or [None] * n_theta
+      gated = _Gate(theta_in + x_in + state_in, d_flat)
+      theta_g = gated[:n_theta]
+      x_g = gated[n_theta:n_theta + n_x]
+      state_g = gated[n_theta + n_x:]
+      d_inputs = backward(theta_g, x_g, state_g, micro_batch_id, d_results)
+      d_theta = [
+          _AddOptional(a, b) for a, b in zip(d_inputs[:n_theta], d_theta_out)
+      ]
+      d_rest = list(d_inputs[n_theta:])
+      d_token = _Gate([d_token_out], d_theta + d_rest)[0]
+      return d_theta + d_rest + [d_token], [None] * len(variables or [])
+
+    return list(results) + chain_out, Grad
+
+  out = Call(*theta, *x, *state, token)
+  num_results = len(out) - 1 - (n_theta if pass_theta else 0)
+  return list(out[:num_results]), out[num_results], list(out[num_results + 1:])

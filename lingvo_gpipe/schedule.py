@@ -1,0 +1,64 @@
+"""The GPipe schedule: which (stage, micro-batch) runs at which clock tick.
+
+Pure Python, no TensorFlow. The engine builds its graph in this order, and the
+arithmetic users plan with (bubble fraction, ticks per step) lives here too.
+
+    >>> GPipeSchedule(num_stages=2, num_micro_batches=3)
+    [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(1, 2)]]
+    >>> BubbleFraction(num_stages=4, num_micro_batches=12)
+    0.2
+"""
+
+from typing import List, Tuple
+
+
+def _CheckPositive(name: str, value: int) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f'{name} must be a positive int, got {value!r}.')
+
+
+def GPipeSchedule(num_stages: int,
+                  num_micro_batches: int) -> List[List[Tuple[int, int]]]:
+  """The forward clock ticks of a GPipe step.
+
+  At clock t, stage k works on micro-batch t - k (when that is in range), so the
+  pipeline fills for K - 1 ticks, runs full, and drains for K - 1 ticks. The
+  backward pass runs the same ticks in reverse.
+
+  Args:
+    num_stages: K, the number of pipeline stages.
+    num_micro_batches: M, the number of micro-batches per mini-batch.
+
+  Returns:
+    A list of M + K - 1 ticks; tick t lists the (stage, micro_batch) pairs that
+    run at clock t, by increasing stage.
+
+  Raises:
+    ValueError: if K or M is not a positive int.
+  """
+  _CheckPositive('num_stages', num_stages)
+  _CheckPositive('num_micro_batches', num_micro_batches)
+  ticks = []
+  for clock in range(num_micro_batches + num_stages - 1):
+    ticks.append([(stage, clock - stage)
+                  for stage in range(num_stages)
+                  if 0 <= clock - stage < num_micro_batches])
+  return ticks
+
+
+def BubbleFraction(num_stages: int, num_micro_batches: int) -> float:
+  """Idle fraction of a GPipe step with equal stages: (K - 1) / (M + K - 1).
+
+  Args:
+    num_stages: K, the number of pipeline stages.
+    num_micro_batches: M, the number of micro-batches per mini-batch.
+
+  Returns:
+    The fraction of stage-ticks in which a stage has no work.
+
+  Raises:
+    ValueError: if K or M is not a positive int.
+  """
+  _CheckPositive('num_stages', num_stages)
+  _CheckPositive('num_micro_batches', num_micro_batches)
+  return (num_stages - 1) / (num_micro_batches + num_stages - 1)

@@ -1,0 +1,199 @@
+"""One pipeline stage: its body traced once, called once per micro-batch.
+
+A stage function maps `(theta, inputs, state, micro_batch_id)` to
+`(outputs, state)`: `theta` is a nest of weight tensors, `inputs` and `outputs`
+are tuples of tensors or None, `state` is a nest of tensors carried from one
+micro-batch to the next (accumulated counters, auxiliary losses, batch-norm
+sums), and `micro_batch_id` is an int64 scalar unique to the micro-batch and
+training step, for seeding randomness. The body is traced into a `tf.function`
+once per stage, so graph size and build time grow with K, not K * M.
+
+Every call also threads a *chain* through the stage's micro-batches: a scalar
+token and (while more micro-batches follow) the stage's weights, passed on as
+identities after the call's outputs exist. Because micro-batch m + 1 consumes
+the chain that micro-batch m produced, the forward pass runs a stage's
+micro-batches in order, and the backward pass, which must finish m + 1 before
+it can produce m's chain gradient, runs them in reverse; the weight gradients
+are summed along the same chain as the backward pass proceeds instead of being
+held M times and added at the end (torchgpipe's fork/join, done with tensors).
+
+    stage = Stage(body_fn, name='stage0')
+    chain = stage.StartChain(theta)
+    outputs, state, chain = stage.Call(chain, inputs, state, mb_id, remat=True,
+                                       last=False)
+"""
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from lingvo_gpipe import recompute
+
+MaybeTensor = Optional[tf.Tensor]
+StageFn = Callable[[Any, Tuple[MaybeTensor, ...], Any, tf.Tensor],
+                   Tuple[Sequence[MaybeTensor], Any]]
+
+
+def IsDifferentiable(t: tf.Tensor) -> bool:
+  """Whether gradients flow through tensor `t` (floating or complex dtype)."""
+  return t.dtype.is_floating or t.dtype.is_complex
+
+
+class Chain:
+  """The ordering chain of one stage: a token plus the weights passed along."""
+
+  def __init__(self, token: tf.Tensor, theta: List[tf.Tensor]):
+    self.token = token
+    self.theta = theta
+
+
+class Stage:
+  """A stage body traced once and called per micro-batch.
+
+  Attributes:
+    name: Used in error messages and function names.
+  """
+
+  def __init__(self, stage_fn: StageFn, name: str):
+    """Wraps `stage_fn`.
+
+    Args:
+      stage_fn: The stage body, see the module docstring.
+      name: A name for error messages and the traced functions.
+    """
+    self.name = name
+    self._stage_fn = stage_fn
+    self._theta_struct = None
+    self._state_struct = None
+    self._input_mask = None
+    self._output_mask = None
+    self._num_state = 0
+    self.forward = tf.function(self._Forward, autograph=False)
+    # Inlining would let TensorFlow start a recompute as soon as its forward
+    # inputs exist, ignoring the gate on upstream gradients (recompute.py).
+    self.backward = tf.function(
+        self._Backward,
+        autograph=False,
+        experimental_attributes={'_noinline': True})
+
+  def StartChain(self, theta: Any) -> Chain:
+    """Reads the stage's weights once per step and starts its chain.
+
+    Args:
+      theta: A nest of tensors or variables.
+
+    Returns:
+      The chain for the stage's first micro-batch.
+    """
+    self._theta_struct = theta
+    flat = [tf.identity(t) for t in tf.nest.flatten(theta)]
+    return Chain(tf.zeros([], tf.float32), flat)
+
+  def _Body(self, theta_flat, x_tensors, state_flat, micro_batch_id):
+    """Runs the user's body on flat arguments; returns flat outputs + state."""
+    theta = tf.nest.pack_sequence_as(self._theta_struct, list(theta_flat))
+    tensors = iter(x_tensors)
+    inputs = tuple(next(tensors) if present else None
+                   for present in self._input_mask)
+    state = tf.nest.pack_sequence_as(self._state_struct, list(state_flat))
+    outputs, new_state = self._stage_fn(theta, inputs, state, micro_batch_id)
+    if not isinstance(outputs, (tuple, list)):
+      outputs = (outputs,)
+    mask = tuple(y is not None for y in outputs)
+    if self._output_mask is not None and mask != self._output_mask:
+      raise ValueError(f'{self.name}: outputs changed from one trace to the '
+                       f'next: {self._output_mask} vs {mask}.')
+    self._output_mask = mask
+    new_state_flat = tf.nest.flatten(new_state)
+    if len(new_state_flat) != self._num_state:
+      raise ValueError(
+          f'{self.name}: the stage function returned a state with '
+          f'{len(new_state_flat)} tensors, expected {self._num_state} '
+          'like the state it was given.')
+    return [y for y in outputs if y is not None], new_state_flat
+
+  def _Forward(self, theta_flat, x_tensors, state_flat, micro_batch_id):
+    y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id)
+    return y + state
+
+  def _Backward(self, theta_flat, x_tensors, state_flat, micro_batch_id,
+                d_outputs):
+    """Recomputes the body and returns gradients of its differentiable inputs.
+
+    Args:
+      theta_flat: Flat weights.
+      x_tensors: The micro-batch inputs that are not None.
+      state_flat: Flat state before this micro-batch.
+      micro_batch_id: The same id as in the forward call.
+      d_outputs: Gradients of the forward outputs (outputs then state), None
+        for outputs that are not differentiable.
+
+    Returns:
+      Gradients for theta_flat + x_tensors + state_flat, one per entry; zeros
+      for unconnected differentiable entries, None for the others.
+    """
+    y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id)
+    ys, dys = [], []
+    for out, d_out in zip(y + state, d_outputs):
+      if d_out is not None:
+        ys.append(out)
+        dys.append(d_out)
+    wrt = list(theta_flat) + list(x_tensors) + list(state_flat)
+    diff = [t for t in wrt if IsDifferentiable(t)]
+    grads = iter(
+        tf.gradients(
+            ys, diff, dys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        if ys and diff else [tf.zeros_like(t) for t in diff])
+    return [next(grads) if IsDifferentiable(t) else None for t in wrt]
+
+  def Call(self, chain: Chain, inputs: Sequence[MaybeTensor], state: Any,
+           micro_batch_id: tf.Tensor, remat: bool,
+           last: bool) -> Tuple[List[MaybeTensor], Any, Chain]:
+    """Runs the stage on one micro-batch.
+
+    Args:
+      chain: The chain from the previous micro-batch (or `StartChain`).
+      inputs: The micro-batch's inputs, tensors or None.
+      state: The stage's state after the previous micro-batch.
+      micro_batch_id: int64 scalar, unique per micro-batch and step.
+      remat: Whether the backward pass recomputes this call instead of keeping
+        its activations.
+      last: Whether this is the stage's last micro-batch of the step (the chain
+        then stops passing the weights on).
+
+    Returns:
+      (outputs, state, chain): outputs with None where the body returned None,
+      the new state, and the chain for the next micro-batch.
+    """
+    self._input_mask = tuple(x is not None for x in inputs)
+    self._state_struct = state
+    state_flat = tf.nest.flatten(state)
+    self._num_state = len(state_flat)
+    x_tensors = [x for x in inputs if x is not None]
+    args = (chain.theta, x_tensors, state_flat, micro_batch_id)
+    if remat:
+      self._CheckNoCapturedWeights(*args)
+      results, token, theta = recompute.RecomputingCall(
+          self.forward, self.backward, *args, token=chain.token,
+          pass_theta=not last)
+    else:
+      results = self.forward(*args)
+      with tf.control_dependencies(results):
+        token = tf.identity(chain.token)
+        theta = [] if last else [tf.identity(t) for t in chain.theta]
+    num_y = len(results) - self._num_state
+    y_iter = iter(results[:num_y])
+    outputs = [next(y_iter) if present else None
+               for present in self._output_mask]
+    new_state = tf.nest.pack_sequence_as(state, results[num_y:])
+    return outputs, new_state, Chain(token, theta)
+
+  def _CheckNoCapturedWeights(self, *args) -> None:
+    """Raises if the traced body reads trainable variables not in theta."""
+    graph = self.forward.get_concrete_function(*args).graph
+    captured = [v.name for v in graph.variables if v.trainable]
+    if captured:
+      raise ValueError(
+          f'{self.name} reads trainable variables {captured} that are not '
+          'passed in its theta; their gradients would be lost by the '
+          'recompute. Pass every weight a stage uses through theta.')

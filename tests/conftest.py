@@ -1,0 +1,19 @@
+"""Test set-up shared by every test: flags, quiet logs, four CPU devices."""
+
+import os
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from absl import flags  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+NUM_CPU_DEVICES = 4
+
+# Lingvo reads absl flags at import and layer construction time.
+flags.FLAGS(['pytest'], known_only=True)
+
+# Four logical CPU devices for eager / tf.function tests; graph-mode tests ask
+# their session for the same number with ConfigProto(device_count=...).
+_cpus = tf.config.list_physical_devices('CPU')
+tf.config.set_logical_device_configuration(
+    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_CPU_DEVICES)
