@@ -241,11 +241,15 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       with MicroBatchSeeds(micro_batch_id):
         for cell in cells:
           name = cell.params.name
+          # Accumulators hold tensors of this trace only while it runs; the
+          # values outside (set after the pipeline) must survive later traces,
+          # such as the backward pass's recompute.
+          outside = cell.GetAccumulatorValues()
           cell.SetAccumulatorValues(state[name])
           py_utils.ResetStepSeed(py_utils.GenerateSeedFromName(cell.path))
           args = _ToTuple(cell.FProp(theta[name], *args))
           new_state[name] = cell.GetAccumulatorValues()
-          cell.accumulators.Transform(lambda acc: acc.Reset())
+          cell.SetAccumulatorValues(outside)
       if p.nested_map_fprop:
         structs[k + 1] = args[0]
         return args[0].Flatten(), new_state

@@ -136,7 +136,8 @@ class Pipeline:
                     tf.cast(step, tf.int64) * num_micro)
       stages, chains = [], []
       for k in range(num_stages):
-        stages.append(stage_lib.Stage(self._stage_fns[k], f'stage {k}'))
+        stages.append(
+            stage_lib.Stage(self._stage_fns[k], f'stage {k}', self.devices[k]))
         with tf.device(self.devices[k]):
           chains.append(stages[k].StartChain(thetas[k]))
       outputs = [[None] * num_micro for _ in range(num_stages)]

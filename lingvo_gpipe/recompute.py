@@ -1,14 +1,19 @@
 """Re-materialization: a stage call whose backward pass recomputes its forward.
 
-The forward pass keeps only the call's inputs (weights, micro-batch, state).
-The gradient first waits for every upstream gradient of the call, including
-the chain gradient of the stage's next micro-batch, and only then reruns the
-traced forward body inside the traced backward function. Without that wait a
-TF graph would start every recompute as soon as its inputs exist, i.e. during
-the forward pass, and peak memory would exceed the plain model's.
+`RecomputingCall` keeps only the call's inputs (weights, micro-batch, state).
+Its custom gradient
+
+* waits for every upstream gradient of the call, including the chain
+  gradient of the stage's next micro-batch (see `stage.py`), and only then
+  reruns the traced forward body inside the traced backward function. Without
+  the wait a TF graph starts every recompute as soon as its inputs exist,
+  i.e. during the forward pass, and peak memory exceeds the plain model's;
+* runs on the stage's device (tf.gradients would otherwise leave the
+  gradient ops unplaced, and they would land on the default device).
 
     results, token, theta = RecomputingCall(forward, backward, theta, x, state,
-                                            mb_id, token=t, pass_theta=True)
+                                            mb_id, token=t, pass_theta=True,
+                                            device='/cpu:1')
 """
 
 from typing import Callable, List, Sequence, Tuple
@@ -33,7 +38,7 @@ def _AddOptional(a, b):
 def RecomputingCall(forward: Callable, backward: Callable,
                     theta: List[tf.Tensor], x: List[tf.Tensor],
                     state: List[tf.Tensor], micro_batch_id: tf.Tensor, *,
-                    token: tf.Tensor, pass_theta: bool
+                    token: tf.Tensor, pass_theta: bool, device: str
                    ) -> Tuple[List[tf.Tensor], tf.Tensor, List[tf.Tensor]]:
   """Calls `forward` so that its gradient is computed by `backward`.
 
@@ -48,39 +53,39 @@ def RecomputingCall(forward: Callable, backward: Callable,
     micro_batch_id: int64 scalar.
     token: The chain's scalar token.
     pass_theta: Whether to pass the weights on to the next micro-batch.
+    device: Where the gradient ops run (the stage's device).
 
   Returns:
     (results, token, theta): the forward results, the chain's next token and
     the weights passed on (empty if not `pass_theta`).
   """
-  n_theta, n_x, n_state = len(theta), len(x), len(state)
+  n_theta, n_x = len(theta), len(x)
 
   @tf.custom_gradient
   def Call(*flat):
-    theta_in = list(flat[:n_theta])
-    x_in = list(flat[n_theta:n_theta + n_x])
-    state_in = list(flat[n_theta + n_x:n_theta + n_x + n_state])
+    inputs = list(flat[:-1])
     token_in = flat[-1]
-    results = forward(theta_in, x_in, state_in, micro_batch_id)
-    chain_out = _Gate([token_in] + (theta_in if pass_theta else []), results)
+    results = forward(inputs[:n_theta], inputs[n_theta:n_theta + n_x],
+                      inputs[n_theta + n_x:], micro_batch_id)
+    chain_out = _Gate([token_in] +
+                      (inputs[:n_theta] if pass_theta else []), results)
     num_results = len(results)
 
     def Grad(*d_flat, variables=None):
       d_results = list(d_flat[:num_results])
       d_token_out = d_flat[num_results]
-      if d_token_out is None:
-        d_token_out = tf.zeros_like(token_in)
       d_theta_out = list(d_flat[num_results + 1:]) or [None] * n_theta
-      gated = _Gate(theta_in + x_in + state_in, d_flat)
-      theta_g = gated[:n_theta]
-      x_g = gated[n_theta:n_theta + n_x]
-      state_g = gated[n_theta + n_x:]
-      d_inputs = backward(theta_g, x_g, state_g, micro_batch_id, d_results)
-      d_theta = [
-          _AddOptional(a, b) for a, b in zip(d_inputs[:n_theta], d_theta_out)
-      ]
-      d_rest = list(d_inputs[n_theta:])
-      d_token = _Gate([d_token_out], d_theta + d_rest)[0]
+      with tf.device(device):
+        gated = _Gate(inputs, d_flat)
+        d_inputs = backward(gated[:n_theta], gated[n_theta:n_theta + n_x],
+                            gated[n_theta + n_x:], micro_batch_id, d_results)
+        d_theta = [
+            _AddOptional(a, b) for a, b in zip(d_inputs[:n_theta], d_theta_out)
+        ]
+        d_rest = list(d_inputs[n_theta:])
+        if d_token_out is None:
+          d_token_out = tf.zeros_like(token_in)
+        d_token = _Gate([d_token_out], d_theta + d_rest)[0]
       return d_theta + d_rest + [d_token], [None] * len(variables or [])
 
     return list(results) + chain_out, Grad

@@ -1,0 +1,219 @@
+"""GPipeSequentialLayer: transparency, variable names, structure, errors."""
+
+import numpy as np
+import pytest
+from lingvo import compat as tf
+from lingvo.core import base_layer
+from lingvo.core import py_utils
+
+import test_util
+
+RNG = np.random.RandomState(0)
+FC_INPUT = RNG.randn(16, 8).astype(np.float32)
+CONV_INPUT = RNG.randn(8, 6, 6, 3).astype(np.float32)
+TR_VECS = RNG.randn(5, 8, 8).astype(np.float32)  # [time, batch, dim]
+TR_PADDINGS = np.zeros([5, 8], np.float32)
+TR_PADDINGS[3:, :4] = 1.0
+
+KS = (1, 2, 4)
+MS = (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize('k', KS)
+@pytest.mark.parametrize('m', MS)
+def testFCTransparentInGraph(k, m):
+  p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
+                           num_micro_batches=m)
+  pipe, ref, _ = test_util.RunGraph(p, test_util.FCCells, [FC_INPUT])
+  test_util.AssertTransparent(pipe, ref)
+
+
+@pytest.mark.parametrize('k', KS)
+@pytest.mark.parametrize('m', MS)
+def testFCTransparentInFunction(k, m):
+  p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
+                           num_micro_batches=m)
+  pipe, ref = test_util.RunFunction(p, test_util.FCCells, [FC_INPUT])
+  test_util.AssertTransparent(pipe, ref)
+
+
+@pytest.mark.parametrize('k,m', [(1, 8), (2, 4), (4, 2), (4, 8)])
+def testConvTransparentInGraph(k, m):
+  p = test_util.PipeParams(test_util.ConvCells(), num_stages=k,
+                           num_micro_batches=m)
+  pipe, ref, _ = test_util.RunGraph(p, test_util.ConvCells, [CONV_INPUT, None])
+  test_util.AssertTransparent(pipe, ref)
+
+
+@pytest.mark.parametrize('k,m', [(2, 2), (4, 4)])
+def testTransformerTransparentBatchDim1(k, m):
+  p = test_util.PipeParams(test_util.TransformerCells(), num_stages=k,
+                           num_micro_batches=m, batch_dim=1)
+  inputs = [TR_VECS, TR_PADDINGS]
+  pipe, ref, _ = test_util.RunGraph(p, test_util.TransformerCells, inputs)
+  test_util.AssertTransparent(pipe, ref)
+  pipe, ref = test_util.RunFunction(p, test_util.TransformerCells, inputs)
+  test_util.AssertTransparent(pipe, ref)
+
+
+@pytest.mark.parametrize('k,m', [(1, 1), (2, 4), (4, 8)])
+def testXla(k, m):
+  p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
+                           num_micro_batches=m)
+  pipe, ref = test_util.RunFunction(
+      p, test_util.FCCells, [FC_INPUT], jit_compile=True)
+  test_util.AssertTransparent(pipe, ref)
+
+
+class CountingAccumulator(base_layer.Accumulator):
+
+  def DefaultValue(self):
+    return tf.constant(0.0)
+
+  def Update(self, value):
+    self.SetValue(self.GetValue() + value)
+
+
+class CountingCell(base_layer.BaseLayer):
+  """x * w; counts its FProp calls in an accumulator (as Lingvo's test)."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateVariable('w', py_utils.WeightParams(
+        shape=[], init=py_utils.WeightInit.Constant(1.5)))
+    self.RegisterAccumulator('calls', CountingAccumulator())
+
+  def FProp(self, theta, x):
+    self.accumulators.calls.Update(1.0)
+    return x * theta.w
+
+
+class NestedCell(base_layer.BaseLayer):
+  """Takes and returns a NestedMap; the first cell adds a field."""
+
+  def FProp(self, theta, inputs):
+    out = inputs.DeepCopy()
+    out.x = tf.tanh(inputs.x) * 2.0
+    out.count = inputs.get('count', tf.zeros_like(inputs.x[:, :1])) + 1.0
+    return out
+
+
+@pytest.mark.parametrize('remat', ['always', 'except_last', 'never'])
+def testAccumulatorsSeeEachMicroBatchOnce(remat):
+  cells = [CountingCell.Params().Set(name=f'c{i}') for i in range(4)]
+  p = test_util.PipeParams(cells, num_stages=2, num_micro_batches=4,
+                           remat=remat)
+  graph = tf.Graph()
+  with graph.as_default():
+    py_utils.GetOrCreateGlobalStepVar()
+    pipe = p.Instantiate()
+    y = pipe.FProp(pipe.theta, tf.ones([8, 2]))
+    grads = tf.gradients(tf.reduce_sum(y), pipe.vars.Flatten())
+    counts = [c.accumulators.calls.GetValue() for c in pipe.children.values()]
+    with tf.compat.v1.Session(graph=graph,
+                              config=test_util.SessionConfig()) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      counts, grads = sess.run([counts, grads])
+  assert counts == [4.0] * 4
+  np.testing.assert_allclose(grads, [16 * 1.5**3] * 4, rtol=1e-6)
+
+
+def testNestedMapFPropAndNoneFields():
+  cells = [NestedCell.Params().Set(name=f'n{i}') for i in range(3)]
+  p = test_util.PipeParams(cells, num_stages=3, num_micro_batches=2,
+                           nested_map_fprop=True)
+  pipe = p.Instantiate()
+  x = tf.constant(FC_INPUT[:4])
+  out = pipe.FProp(pipe.theta, py_utils.NestedMap(x=x, mask=None))
+  assert sorted(out.keys()) == ['count', 'mask', 'x'] and out.mask is None
+  expected = x
+  for _ in range(3):
+    expected = tf.tanh(expected) * 2.0
+  np.testing.assert_allclose(out.x.numpy(), expected.numpy(), rtol=1e-6)
+  np.testing.assert_array_equal(out.count.numpy(), np.full([4, 1], 3.0))
+
+
+def _VariableNames(p):
+  with tf.Graph().as_default():
+    return sorted(v.name for v in p.Instantiate().vars.Flatten())
+
+
+def testVariableNamesDoNotDependOnPipelineShape():
+  expected = _VariableNames(
+      test_util.builder_layers.SequentialLayer.Params().Set(
+          name='pipe', sub=test_util.TransformerCells()))
+  assert len(expected) > 10
+  for kwargs in [dict(num_stages=1), dict(num_stages=2, num_micro_batches=4),
+                 dict(num_stages=4, devices=test_util.CPUS, remat='never'),
+                 dict(partition=[1, 3])]:
+    p = test_util.PipeParams(test_util.TransformerCells(), **kwargs)
+    assert _VariableNames(p) == expected, kwargs
+
+
+def testEvalUsesTheSameStagesWithoutRecompute():
+  p = test_util.PipeParams(test_util.FCCells(), num_stages=2,
+                           num_micro_batches=4)
+  graph = tf.Graph()
+  with graph.as_default(), test_util.cluster_factory.SetEval(True):
+    pipe = p.Instantiate()
+    ref = test_util.Reference(test_util.FCCells())
+    x = tf.constant(FC_INPUT)
+    y, y_ref = pipe.FProp(pipe.theta, x), ref.FProp(pipe.theta, x)
+    assert not [op for op in graph.get_operations() if op.type == 'IdentityN']
+    with tf.compat.v1.Session(graph=graph,
+                              config=test_util.SessionConfig()) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      y, y_ref = sess.run([y, y_ref])
+  test_util.AssertTransparent([y], [y_ref])
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(cell_tpl=[]), 'cell_tpl is empty'),
+    (dict(cell_tpl=test_util.FCCells(2) + test_util.FCCells(1)),
+     r"names \['fc0', 'fc1', 'fc0'\] must be unique.*repeated: \['fc0'\]"),
+    (dict(num_stages=5), r'num_stages=5 must be an int in \[1, 4\]'),
+    (dict(num_stages=0), r'num_stages=0 must be an int in \[1, 4\]'),
+    (dict(partition=[1, 2]), r'partition=\[1, 2\] sums to 3 but there are 4'),
+    (dict(partition=[4, 0]), r'partition=\[4, 0\] must be a non-empty list of '
+     'positive ints'),
+    (dict(partition=[2, 2], num_stages=3), 'has 2 stages but num_stages=3'),
+    (dict(partition='magic'), "partition='magic' is not supported"),
+    (dict(remat='sometimes'), "remat='sometimes' is not supported; use one of"),
+    (dict(num_stages=2, devices=['/cpu:0']),
+     r"devices=\['/cpu:0'\] must be a list of 2 device strings"),
+    (dict(num_micro_batches=0), 'num_micro_batches=0 must be a positive int'),
+    (dict(micro_batch_size=2, num_micro_batches=2), 'set only one'),
+])
+def testBadParamsFailBeforeAnyVariable(kwargs, message):
+  p = test_util.PipeParams(test_util.FCCells()).Set(**kwargs)
+  graph = tf.Graph()
+  with graph.as_default():
+    with pytest.raises(ValueError, match=message):
+      p.Instantiate()
+    assert not graph.get_operations()
+
+
+@pytest.mark.parametrize('kwargs,batch,message', [
+    (dict(num_micro_batches=3), 16, r'num_micro_batches=3 does not divide the '
+     r'batch size 16; valid values are \[1, 2, 4, 8, 16\]'),
+    (dict(num_micro_batches=32), 16, 'num_micro_batches=32 is larger than the '
+     'batch size 16'),
+    (dict(micro_batch_size=5), 16, 'micro_batch_size=5 does not divide the '
+     'batch size 16'),
+])
+def testBadBatchFailsBeforeBuildingThePipeline(kwargs, batch, message):
+  graph = tf.Graph()
+  with graph.as_default():
+    pipe = test_util.PipeParams(test_util.FCCells(), **kwargs).Instantiate()
+    x = tf.zeros([batch, 8])
+    num_ops = len(graph.get_operations())
+    with pytest.raises(ValueError, match=message):
+      pipe.FProp(pipe.theta, x)
+    assert len(graph.get_operations()) == num_ops
+
+
+def testMicroBatchSizeSetsM():
+  pipe = test_util.PipeParams(test_util.FCCells(), num_stages=2,
+                              micro_batch_size=4).Instantiate()
+  assert pipe.NumMicroBatches(16) == 4
+  assert pipe.BubbleFraction(16) == pytest.approx(1 / 5)
