@@ -9,7 +9,13 @@ Modules: `layers` (the Lingvo layer), `pipeline` (the engine), `stage` and
 `microbatch`, `schedule`, `partition`, `placement`.
 """
 
-from lingvo_gpipe.layers import GPipeSequentialLayer
-
 __all__ = ['GPipeSequentialLayer']
 __version__ = '0.1.0'
+
+
+def __getattr__(name):
+  # Lazy, so that the engine and the planning modules import without Lingvo.
+  if name == 'GPipeSequentialLayer':
+    from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
+    return layers.GPipeSequentialLayer
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

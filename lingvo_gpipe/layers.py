@@ -19,13 +19,14 @@ from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 
+from lingvo_gpipe import costs as costs_lib
 from lingvo_gpipe import microbatch
 from lingvo_gpipe import partition as partition_lib
 from lingvo_gpipe import pipeline
 from lingvo_gpipe import placement
 from lingvo_gpipe import schedule
 
-_PARTITION_NAMES = ('uniform',)
+_PARTITION_NAMES = ('uniform',) + costs_lib.METHODS
 
 
 def _ToTuple(x):
@@ -84,7 +85,11 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         'None for one stage per cell. At most the number of cells.')
     p.Define(
         'partition', 'uniform', "How cells are grouped into stages: 'uniform' "
-        '(equal cell counts) or an explicit list of cells per stage.')
+        "(equal cell counts); 'params', 'flops' (Lingvo FPropMeta) or "
+        "'profile' (measured forward + backward time on one micro-batch): "
+        'the contiguous split minimizing the most expensive stage; or an '
+        "explicit list of cells per stage. 'flops' and 'profile' are "
+        'computed at the first FProp, from the micro-batch shapes.')
     p.Define(
         'num_micro_batches', 1, 'M, the number of micro-batches each '
         'mini-batch is split into. Must divide the batch size.')
@@ -108,18 +113,29 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    self._partition = self._CheckParams()
+    self._num_stages, self._partition = self._CheckParams()
     for cell_p in p.cell_tpl:
       self.CreateChild(cell_p.name, cell_p)
     self._cells = [self.children[cell_p.name] for cell_p in p.cell_tpl]
-    logging.info('%s: %d cells in %d stages %s', p.name, len(p.cell_tpl),
-                 len(self._partition), self._partition)
+    if p.partition == 'params':
+      self._Partition(costs_lib.CellCosts(self._cells, 'params'))
+
+  def _Partition(self, cell_costs):
+    """Sets the optimal partition for `cell_costs` and logs the plan."""
+    memory = costs_lib.CellMemory(self._cells)
+    self._partition = partition_lib.PartitionCosts(cell_costs,
+                                                   self._num_stages, memory)
+    logging.info(
+        '%s: partition=%r\n%s', self.params.name, self.params.partition,
+        costs_lib.PartitionReport(
+            cell_costs, self._partition, memory=memory,
+            names=[c.params.name for c in self._cells]))
 
   def _CheckParams(self):
     """Validates the params; returns the partition (cells per stage).
 
     Returns:
-      A list of K positive ints.
+      (K, partition): the partition is None until costs are known.
 
     Raises:
       ValueError: naming the parameter, its value and what would be valid.
@@ -139,12 +155,15 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
                          f'of {list(_PARTITION_NAMES)} or a list of cells per '
                          'stage.')
       num_stages = num_cells if p.num_stages is None else p.num_stages
-      counts = partition_lib.UniformPartition(num_cells, num_stages)
+      partition_lib.CheckNumStages(num_cells, num_stages)
+      counts = (partition_lib.UniformPartition(num_cells, num_stages)
+                if p.partition == 'uniform' else None)
     else:
       counts = partition_lib.CheckPartition(p.partition, num_cells,
                                             p.num_stages)
+      num_stages = len(counts)
     pipeline.CheckRemat(p.remat)
-    placement.CheckDevices(p.devices, len(counts))
+    placement.CheckDevices(p.devices, num_stages)
     if (not isinstance(p.num_micro_batches, int) or
         isinstance(p.num_micro_batches, bool) or p.num_micro_batches < 1):
       raise ValueError(f'num_micro_batches={p.num_micro_batches!r} must be a '
@@ -159,16 +178,40 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
             f'{p.num_micro_batches} are both set; set only one of them.')
     if not isinstance(p.batch_dim, int) or p.batch_dim < 0:
       raise ValueError(f'batch_dim={p.batch_dim!r} must be an int >= 0.')
-    return counts
+    return num_stages, counts
 
   @property
   def partition(self):
-    """Cells per stage, a list of K positive ints."""
-    return list(self._partition)
+    """Cells per stage (K positive ints); None before a first FProp decides."""
+    return None if self._partition is None else list(self._partition)
 
   @property
   def num_stages(self):
-    return len(self._partition)
+    return self._num_stages
+
+  def _PartitionFromMicroBatch(self, flat_inputs, num_micro):
+    """Decides a 'flops' or 'profile' partition from one micro-batch's shape."""
+    p = self.params
+    if self._num_stages == 1:
+      self._partition = [len(self._cells)]
+      return
+    if p.nested_map_fprop:
+      raise ValueError(f'partition={p.partition!r} does not support '
+                       "nested_map_fprop=True; use 'params', 'uniform' or a "
+                       'list.')
+    shapes = []
+    for x in flat_inputs:
+      if x is None:
+        shapes.append(None)
+        continue
+      shape = x.shape.as_list()
+      if None in shape:
+        raise ValueError(f'partition={p.partition!r} needs static input '
+                         f'shapes, got {x.shape}.')
+      shape[p.batch_dim] //= num_micro
+      shapes.append(shape)
+    self._Partition(
+        costs_lib.CellCosts(self._cells, p.partition, input_shapes=shapes))
 
   def _StageCells(self):
     """The cells of each stage, as lists."""
@@ -282,6 +325,8 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       flat_inputs = list(args)
     num_micro = self.NumMicroBatches(
         microbatch.StaticBatchSize(flat_inputs, p.batch_dim))
+    if self._partition is None:
+      self._PartitionFromMicroBatch(flat_inputs, num_micro)
     training = not self.do_eval
     if not training and self.num_stages == 1:
       num_micro = 1  # Without a backward pass there is nothing to overlap.

@@ -14,7 +14,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 
-def _CheckNumStages(num_cells: int, num_stages: int) -> None:
+def CheckNumStages(num_cells: int, num_stages: int) -> None:
+  """Raises ValueError unless 1 <= num_stages <= num_cells."""
   if (not isinstance(num_stages, (int, np.integer)) or
       isinstance(num_stages, bool) or not 1 <= num_stages <= num_cells):
     raise ValueError(f'num_stages={num_stages!r} must be an int in '
@@ -34,7 +35,7 @@ def UniformPartition(num_cells: int, num_stages: int) -> List[int]:
   Raises:
     ValueError: if K is not in [1, n].
   """
-  _CheckNumStages(num_cells, num_stages)
+  CheckNumStages(num_cells, num_stages)
   base, extra = divmod(num_cells, num_stages)
   return [base + (k < extra) for k in range(num_stages)]
 
@@ -99,7 +100,10 @@ def LingvoPartition(costs: Sequence[float], num_stages: int) -> List[int]:
     K cell counts (possibly zero).
   """
   costs = np.asarray(costs, dtype=np.float64)
-  cumulative = np.cumsum(costs) / costs.sum()
+  total = costs.sum()
+  if total == 0:  # All cells free: treat them as equally expensive.
+    costs, total = np.ones_like(costs), len(costs)
+  cumulative = np.cumsum(costs) / total
   counts = [0] * num_stages
   for fraction in cumulative:
     counts[min(int(fraction * num_stages), num_stages - 1)] += 1
@@ -184,7 +188,7 @@ def PartitionCosts(costs: Sequence[float],
   num_cells = len(costs)
   if num_cells == 0:
     raise ValueError('costs is empty; there must be at least one cell.')
-  _CheckNumStages(num_cells, num_stages)
+  CheckNumStages(num_cells, num_stages)
   memory = (np.zeros(num_cells) if memory is None else
             np.asarray(memory, dtype=np.float64))
   for name, values in (('costs', costs), ('memory', memory)):

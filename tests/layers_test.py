@@ -217,3 +217,68 @@ def testMicroBatchSizeSetsM():
                               micro_batch_size=4).Instantiate()
   assert pipe.NumMicroBatches(16) == 4
   assert pipe.BubbleFraction(16) == pytest.approx(1 / 5)
+
+
+def _UnevenFCCells():
+  dims = [8, 8, 64, 64, 8]
+  return [
+      test_util.layers.FCLayer.Params().Set(
+          name=f'fc{i}', input_dim=dims[i], output_dim=dims[i + 1])
+      for i in range(4)
+  ]
+
+
+@pytest.mark.parametrize('method,expected', [('params', [2, 1, 1]),
+                                             ('flops', [2, 1, 1]),
+                                             ('profile', None)])
+def testCostBasedPartitionIsOptimalAndTransparent(method, expected):
+  p = test_util.PipeParams(_UnevenFCCells(), num_stages=3, partition=method,
+                           num_micro_batches=2)
+  pipe, ref, _ = test_util.RunGraph(p, _UnevenFCCells, [FC_INPUT])
+  test_util.AssertTransparent(pipe, ref)
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    if method != 'params':
+      assert layer.partition is None  # Decided at the first FProp.
+      layer.FProp(layer.theta, tf.constant(FC_INPUT))
+    assert sum(layer.partition) == 4 and len(layer.partition) == 3
+    if expected:
+      assert layer.partition == expected
+
+
+def testFlopsPartitionNamesTheCellWithoutFPropMeta():
+  p = test_util.PipeParams(test_util.TransformerCells(), num_stages=2,
+                           partition='flops', batch_dim=1)
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    with pytest.raises(ValueError, match="cell 'tr0'.*FPropMeta"):
+      layer.FProp(layer.theta, tf.constant(TR_VECS), tf.constant(TR_PADDINGS))
+
+
+def testCheckpointRestoresAcrossPipelineShapes(tmp_path):
+  """Saved with K=4, restored into K=2, K=1 and the plain stack: same outputs."""
+  path = str(tmp_path / 'ckpt')
+  x = FC_INPUT
+  outputs = {}
+  for shape in ['k4', 'k2', 'k1', 'plain']:
+    graph = tf.Graph()
+    with graph.as_default():
+      if shape == 'plain':
+        layer = test_util.builder_layers.SequentialLayer.Params().Set(
+            name='pipe', sub=test_util.FCCells()).Instantiate()
+      else:
+        k = int(shape[1])
+        layer = test_util.PipeParams(test_util.FCCells(), num_stages=k,
+                                     num_micro_batches=k).Instantiate()
+      y = layer.FProp(layer.theta, tf.constant(x))
+      saver = tf.compat.v1.train.Saver()
+      with tf.compat.v1.Session(graph=graph,
+                                config=test_util.SessionConfig()) as sess:
+        if shape == 'k4':
+          sess.run(tf.compat.v1.global_variables_initializer())
+          saver.save(sess, path)
+        else:
+          saver.restore(sess, path)
+        outputs[shape] = sess.run(y)
+  for shape in ['k2', 'k1', 'plain']:
+    test_util.AssertTransparent([outputs[shape]], [outputs['k4']])
