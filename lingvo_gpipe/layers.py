@@ -119,12 +119,18 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     self._cells = [self.children[cell_p.name] for cell_p in p.cell_tpl]
     if p.partition == 'params':
       self._Partition(costs_lib.CellCosts(self._cells, 'params'))
+    elif self._partition is not None:
+      self._LogPlan(costs_lib.CellCosts(self._cells, 'params'))
 
   def _Partition(self, cell_costs):
     """Sets the optimal partition for `cell_costs` and logs the plan."""
+    self._partition = partition_lib.PartitionCosts(
+        cell_costs, self._num_stages, costs_lib.CellMemory(self._cells))
+    self._LogPlan(cell_costs)
+
+  def _LogPlan(self, cell_costs):
+    """Logs each stage's cells, cost (`cell_costs`), share and memory."""
     memory = costs_lib.CellMemory(self._cells)
-    self._partition = partition_lib.PartitionCosts(cell_costs,
-                                                   self._num_stages, memory)
     logging.info(
         '%s: partition=%r\n%s', self.params.name, self.params.partition,
         costs_lib.PartitionReport(
