@@ -75,7 +75,10 @@ def RecomputingCall(forward: Callable, backward: Callable,
       d_results = list(d_flat[:num_results])
       d_token_out = d_flat[num_results]
       d_theta_out = list(d_flat[num_results + 1:]) or [None] * n_theta
-      with tf.device(device):
+      # Colocation (tf.gradients' colocate_gradients_with_ops) is part of the
+      # tf.function cache key: it would retrace `backward` at every call.
+      with tf.compat.v1.colocate_with(None, ignore_existing=True), \
+          tf.device(device):
         gated = _Gate(inputs, d_flat)
         d_inputs = backward(gated[:n_theta], gated[n_theta:n_theta + n_x],
                             gated[n_theta + n_x:], micro_batch_id, d_results)
