@@ -4,12 +4,13 @@
     p = GPipeSequentialLayer.Params().Set(name='pipe', cell_tpl=cells,
                                           num_stages=4, num_micro_batches=8)
 
-Modules: `layers` (the Lingvo layer), `pipeline` (the engine), `stage` and
+Modules: `layers` (the Lingvo layer), `batchnorm` (micro-batch aware batch
+norm), `costs` (per-cell costs for partitioning), `pipeline` (the engine), `stage` and
 `recompute` (one stage's calls and their re-materialized gradients),
 `microbatch`, `schedule`, `partition`, `placement`.
 """
 
-__all__ = ['GPipeSequentialLayer']
+__all__ = ['BatchNormLayer', 'GPipeSequentialLayer']
 __version__ = '0.1.0'
 
 
@@ -18,4 +19,7 @@ def __getattr__(name):
   if name == 'GPipeSequentialLayer':
     from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
     return layers.GPipeSequentialLayer
+  if name == 'BatchNormLayer':
+    from lingvo_gpipe import batchnorm  # pylint: disable=g-import-not-at-top
+    return batchnorm.BatchNormLayer
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

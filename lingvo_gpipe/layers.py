@@ -17,8 +17,10 @@ import contextlib
 from absl import logging
 from lingvo import compat as tf
 from lingvo.core import base_layer
+from lingvo.core import bn_layers
 from lingvo.core import py_utils
 
+from lingvo_gpipe import batchnorm
 from lingvo_gpipe import costs as costs_lib
 from lingvo_gpipe import microbatch
 from lingvo_gpipe import partition as partition_lib
@@ -117,10 +119,26 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     for cell_p in p.cell_tpl:
       self.CreateChild(cell_p.name, cell_p)
     self._cells = [self.children[cell_p.name] for cell_p in p.cell_tpl]
+    self._WarnAboutPlainBatchNorm()
     if p.partition == 'params':
       self._Partition(costs_lib.CellCosts(self._cells, 'params'))
     elif self._partition is not None:
       self._LogPlan(costs_lib.CellCosts(self._cells, 'params'))
+
+  def _WarnAboutPlainBatchNorm(self):
+    """Warns once per Lingvo BatchNormLayer found inside the cells."""
+    stack = list(self._cells)
+    while stack:
+      layer = stack.pop()
+      if (isinstance(layer, bn_layers.BatchNormLayer) and
+          not isinstance(layer, batchnorm.BatchNormLayer)):
+        logging.warning(
+            '%s: %s is a Lingvo BatchNormLayer; inside the pipeline its moving '
+            'statistics are updated per micro-batch (and again by recomputes),'
+            " outside the trainer's bn_updates. Use "
+            'lingvo_gpipe.BatchNormLayer instead.', self.params.name,
+            layer.path)
+      stack.extend(py_utils.Flatten(layer.children))
 
   def _Partition(self, cell_costs):
     """Sets the optimal partition for `cell_costs` and logs the plan."""

@@ -23,14 +23,9 @@ from lingvo_gpipe import microbatch
 from lingvo_gpipe import schedule
 from lingvo_gpipe import stage as stage_lib
 
-REMAT_MODES = ('always', 'except_last', 'never')
-
-
-def CheckRemat(remat: str) -> None:
-  """Raises ValueError unless `remat` is one of `REMAT_MODES`."""
-  if remat not in REMAT_MODES:
-    raise ValueError(f'remat={remat!r} is not supported; use one of '
-                     f'{list(REMAT_MODES)}.')
+# Re-exported: the remat modes are a schedule concept, checked here too.
+REMAT_MODES = schedule.REMAT_MODES
+CheckRemat = schedule.CheckRemat
 
 
 class Pipeline:

@@ -24,6 +24,29 @@ RUNS = {
     'bad_float': ['partition', '--costs=1,2', '--num_stages=2',
                   '--memory_limit=abc'],
     'bad_subcommand': ['plot', '--costs=1,2', '--num_stages=2'],
+    'simulate': [
+        'simulate', '--forward_costs=1', '--num_stages=4',
+        '--num_micro_batches=8', '--json_out={tmp}/sim.json',
+        '--png_out={tmp}/sim.png', '--trace_out={tmp}/sim_trace.json'
+    ],
+    'simulate_uneven': [
+        'simulate', '--forward_costs=1,3', '--backward_costs=2,4',
+        '--num_micro_batches=2', '--remat=never', '--input_memory=10',
+        '--activation_memory=100,300'
+    ],
+    # A real traced step: 2 stages on 2 CPU devices, 3 micro-batches.
+    'timeline': [
+        'timeline', '--num_stages=2', '--num_micro_batches=3',
+        '--cells_per_stage=1', '--fc_dim=8', '--micro_batch_size=2',
+        '--warmup_steps=1', '--png_out={tmp}/timeline.png',
+        '--trace_out={tmp}/timeline.json', '--json_out={tmp}/tl_numbers.json'
+    ],
+    'simulate_no_m': ['simulate', '--forward_costs=1,2'],
+    'simulate_mismatch': ['simulate', '--forward_costs=1,2', '--num_stages=3',
+                          '--num_micro_batches=2'],
+    'simulate_bad_remat': ['simulate', '--forward_costs=1',
+                           '--num_micro_batches=2', '--remat=sometimes'],
+    'timeline_no_k': ['timeline', '--num_micro_batches=2'],
 }
 
 
@@ -100,7 +123,12 @@ def testTransformerExample(runs):
     ('bad_costs', "--costs=1,x,3: 'x' is not a finite non-negative number"),
     ('bad_float', '--memory_limit=abc'),
     ('bad_subcommand', "subcommand 'plot' is not valid; use one of "
-     "['partition']"),
+     "['partition', 'simulate', 'timeline']"),
+    ('simulate_no_m', '--num_micro_batches (M) is required'),
+    ('simulate_mismatch', '--forward_costs has 2 entries but there are 3 '
+     'stages'),
+    ('simulate_bad_remat', '--remat'),
+    ('timeline_no_k', '--num_stages (K) is required'),
 ])
 def testErrors(runs, name, message):
   code, stdout, stderr = runs[name]
@@ -110,3 +138,96 @@ def testErrors(runs, name, message):
   assert message in errors[0]
   assert 'Traceback' not in stderr
   assert not stdout
+
+
+def _TraceEvents(path):
+  """{(stage, micro-batch, phase): (start, end)} of a Chrome trace, in us."""
+  with open(path) as f:
+    trace = json.load(f)
+  events = {}
+  for e in trace['traceEvents']:
+    if e['ph'] == 'X':
+      args = e['args']
+      assert e['tid'] == args['stage']
+      assert e['name'] == f'{args["phase"]} {args["micro_batch"]}'
+      key = (args['stage'], args['micro_batch'], args['phase'])
+      assert key not in events
+      events[key] = (e['ts'], e['ts'] + e['dur'])
+  names = [e['args']['name'] for e in trace['traceEvents']
+           if e['name'] == 'thread_name']
+  return events, names
+
+
+def _IsPng(path):
+  with open(path, 'rb') as f:
+    return f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def testSimulate(runs):
+  code, stdout, stderr = runs['simulate']
+  assert code == 0, stderr
+  assert 'step time: 44 (forward pass 11, backward pass 33)' in stdout
+  assert ('bubble fraction: 0.2727 (closed form (K-1)/(M+K-1) = 0.2727'
+          in stdout)
+  rows = re.findall(r'^\s+(\d+)\s+1\s+2\s+0.727\s+1 \(8 \+ 1\)$', stdout,
+                    re.MULTILINE)
+  assert rows == ['0', '1', '2', '3']
+  with open(os.path.join(runs['tmp'], 'sim.json')) as f:
+    numbers = json.load(f)
+  assert numbers['subcommand'] == 'simulate'
+  assert numbers['forward_costs'] == [1] * 4
+  assert numbers['backward_costs'] == [2] * 4
+  assert numbers['bubble_fraction'] == pytest.approx(3 / 11)
+  assert numbers['closed_form_bubble_fraction'] == pytest.approx(3 / 11)
+  assert numbers['peak_inputs'] == [8] * 4
+  assert _IsPng(os.path.join(runs['tmp'], 'sim.png'))
+  events, names = _TraceEvents(os.path.join(runs['tmp'], 'sim_trace.json'))
+  assert names == ['stage 0', 'stage 1', 'stage 2', 'stage 3']
+  assert len(events) == 4 * 8 * 3
+  # Seconds in, microseconds out: stage 3 starts micro-batch 0 at t = 3.
+  assert events[3, 0, 'forward'] == (3e6, 4e6)
+
+
+def testSimulateUnevenStages(runs):
+  code, stdout, stderr = runs['simulate_uneven']
+  assert code == 0, stderr
+  # Hand-computed in schedule_test.testSimulateUnevenStagesByHand.
+  assert 'step time: 17 (forward pass 7, backward pass 10)' in stdout
+  assert 'bubble fraction: 0.4118' in stdout
+  # Without remat every call keeps its input (10) and activations.
+  assert re.search(r'^\s+1\s+3\s+4\s+0.824\s+620 \(2 \+ 2\)$', stdout,
+                   re.MULTILINE), stdout
+
+
+def testTimelineOfARealStep(runs):
+  code, stdout, stderr = runs['timeline']
+  assert code == 0, stderr
+  assert 'stage 0: F0 F1 F2' in stdout and 'stage 1: F0 F1 F2' in stdout
+  assert _IsPng(os.path.join(runs['tmp'], 'timeline.png'))
+  events, names = _TraceEvents(os.path.join(runs['tmp'], 'timeline.json'))
+  assert names == ['stage 0', 'stage 1']
+  num_stages, num_micro = 2, 3
+  for phase in ('forward', 'recompute', 'backward'):  # remat='always'.
+    assert sorted((k, m) for k, m, p in events if p == phase) == [
+        (k, m) for k in range(num_stages) for m in range(num_micro)]
+  # The forward pass ran as schedule.GPipeSchedule says: each stage takes
+  # its micro-batches in order, and stage k starts micro-batch m only after
+  # stage k - 1 has finished it.
+  for k in range(num_stages):
+    starts = [events[k, m, 'forward'][0] for m in range(num_micro)]
+    assert starts == sorted(starts), (k, starts)
+    for m in range(num_micro):
+      assert events[k, m, 'forward'][0] <= events[k, m, 'forward'][1]
+      if k:
+        assert events[k, m, 'forward'][0] >= (
+            events[k - 1, m, 'forward'][1] - 1e-3), (k, m)
+  with open(os.path.join(runs['tmp'], 'tl_numbers.json')) as f:
+    numbers = json.load(f)
+  assert numbers['subcommand'] == 'timeline'
+  assert 0 < numbers['bubble_fraction'] < 1
+  assert numbers['devices'] == {'0': [_Cpu(0)], '1': [_Cpu(1)]}
+  assert len(numbers['events']) == num_stages * num_micro * 3
+
+
+def _Cpu(k):
+  return f'/job:localhost/replica:0/task:0/device:CPU:{k}'

@@ -1,0 +1,220 @@
+"""Batch norm that stays correct when GPipe splits the batch into micro-batches.
+
+    bn = BatchNormLayer.Params().Set(name='bn0', dim=64, decay=0.99)
+    p = GPipeSequentialLayer.Params().Set(
+        name='pipe', cell_tpl=[fc0, bn, fc1], num_micro_batches=4)
+
+Lingvo's `bn_layers.BatchNormLayer` registers its moving-average update with
+`py_utils.UpdateBatchNormVars` from inside FProp. Inside `GPipeSequentialLayer`
+FProp is traced into a stage function, so that update op lives in the
+function: it runs once per micro-batch call (and again in recomputes), with
+micro-batch statistics, and never reaches the trainer's `bn_updates`.
+
+`BatchNormLayer` here takes the same Params. In training inside a pipeline it
+normalizes each micro-batch with that micro-batch's statistics (as Lingvo's
+layer would on it), and adds the micro-batch's padding-aware (count, mean,
+variance) to a Lingvo accumulator that the pipeline threads from micro-batch
+to micro-batch. `PostTrainingStepUpdate`, which Lingvo's `BaseTask` runs once
+per training step, turns the accumulated whole-mini-batch moments into the
+usual `py_utils.UpdateBatchNormVars` update (moving -= (moving - stat) *
+(1 - decay)). The GPipe paper's rule; torchgpipe's `DeferredBatchNorm`.
+
+Outside a pipeline the layer is Lingvo's `BatchNormLayer` unchanged.
+"""
+
+from lingvo import compat as tf
+from lingvo.core import base_layer
+from lingvo.core import bn_layers
+from lingvo.core import py_utils
+
+# Rows of the accumulated moments: [3, dim] = (count, mean, variance).
+_COUNT, _MEAN, _VARIANCE = 0, 1, 2
+
+
+def CombineMoments(a, b):
+  """Moments of the union of two disjoint sets of samples (Chan et al.).
+
+  Each argument is a [3, dim] tensor of rows (count, mean, variance), the
+  variance being the population variance (divided by count), as Lingvo's
+  `bn_layers.ComputeMoments` returns it. Combining means and variances is
+  exact and, unlike sums of squares, free of cancellation when the mean is
+  large compared with the standard deviation. A side with count 0 is ignored
+  exactly, so folding a single micro-batch into the zero initial value gives
+  back its moments bit for bit.
+
+  Args:
+    a: [3, dim] moments of the first set.
+    b: [3, dim] moments of the second set.
+
+  Returns:
+    [3, dim] moments of both sets together.
+  """
+  count_a, mean_a, var_a = a[_COUNT], a[_MEAN], a[_VARIANCE]
+  count_b, mean_b, var_b = b[_COUNT], b[_MEAN], b[_VARIANCE]
+  count = count_a + count_b
+  safe_count = tf.maximum(count, tf.ones_like(count))
+  weight_a, weight_b = count_a / safe_count, count_b / safe_count
+  delta = mean_b - mean_a
+  mean = mean_a + weight_b * delta
+  variance = (weight_a * var_a + weight_b * var_b +
+              weight_a * weight_b * tf.square(delta))
+  merged = tf.stack([count, mean, variance])
+  zeros = tf.zeros_like(count)
+  a_empty = tf.broadcast_to(tf.equal(count_a, zeros)[tf.newaxis], tf.shape(a))
+  b_empty = tf.broadcast_to(tf.equal(count_b, zeros)[tf.newaxis], tf.shape(b))
+  return tf.where(a_empty, b, tf.where(b_empty, a, merged))
+
+
+class MomentsAccumulator(base_layer.Accumulator):
+  """A Lingvo accumulator of batch moments: [3, dim] (count, mean, variance).
+
+  `Update(moments)` folds in the moments of more samples with
+  `CombineMoments`. The pipeline threads its value through the micro-batches
+  and sets the final value on the layer after FProp.
+  """
+
+  def __init__(self, dim, dtype):
+    """Creates the accumulator.
+
+    Args:
+      dim: The number of channels.
+      dtype: The dtype of the accumulated moments.
+    """
+    super().__init__()
+    self._dim = dim
+    self._dtype = dtype
+
+  def DefaultValue(self):
+    """Zero samples: count, mean and variance 0."""
+    return tf.zeros([3, self._dim], dtype=self._dtype)
+
+  def Update(self, moments):
+    """Adds the [3, dim] `moments` of more samples."""
+    self.SetValue(CombineMoments(self.GetValue(), tf.cast(moments,
+                                                          self._dtype)))
+
+  @property
+  def has_value(self):
+    """Whether FProp or a pipeline has set a value since the last Reset."""
+    return self._value is not None
+
+
+def InsideMicroBatching(layer):
+  """Whether `layer` runs inside a `GPipeSequentialLayer` (has one above it)."""
+  # Imported here: layers.py may import this module to check its cells.
+  from lingvo_gpipe import layers as layers_lib  # pylint: disable=g-import-not-at-top
+  ancestor = layer.parent
+  while ancestor is not None:
+    if isinstance(ancestor, layers_lib.GPipeSequentialLayer):
+      return True
+    ancestor = ancestor.parent
+  return False
+
+
+class BatchNormLayer(bn_layers.BatchNormLayer):
+  """Lingvo's BatchNormLayer, with moving statistics of the whole mini-batch.
+
+  Inside a `GPipeSequentialLayer` (or with accumulate_stats=True), training
+  FProp normalizes with the statistics of its micro-batch and accumulates
+  them; `PostTrainingStepUpdate` updates moving_mean and moving_variance once
+  from the moments of all micro-batches together. Elsewhere it behaves exactly
+  like `lingvo.core.bn_layers.BatchNormLayer` (`layers.BatchNormLayer`).
+
+      p = BatchNormLayer.Params().Set(name='bn', dim=8, decay=0.9)
+      bn = p.Instantiate()
+      y = bn.FProp(bn.theta, x, paddings)
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define(
+        'accumulate_stats', None, 'Whether training FProp accumulates its '
+        'moments for PostTrainingStepUpdate instead of registering Lingvo\'s '
+        'per-call moving-average update: None decides by whether the layer '
+        'has a GPipeSequentialLayer ancestor; True for other layers that '
+        'thread accumulators through micro-batches; False forces Lingvo\'s '
+        'behaviour.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.accumulate_stats not in (None, True, False):
+      raise ValueError(f'accumulate_stats={p.accumulate_stats!r} must be '
+                       'None, True or False.')
+    self.RegisterAccumulator('moments', MomentsAccumulator(p.dim, p.dtype))
+
+  def AccumulatesStats(self):
+    """Whether training FProp accumulates moments (see accumulate_stats)."""
+    p = self.params
+    if p.accumulate_stats is None:
+      return InsideMicroBatching(self)
+    return p.accumulate_stats
+
+  def ComputeAndUpdateMoments(self, theta, inputs, paddings=None, **kwargs):
+    """Computes the moments to normalize with and records the update.
+
+    Outside micro-batching, in eval or with frozen statistics this is Lingvo's
+    method. Otherwise the micro-batch's (count, mean, variance) are added to
+    the `moments` accumulator instead of registering an update op.
+
+    Args:
+      theta: A `.NestedMap` of the layer's weights.
+      inputs: The inputs, shaped [..., dim].
+      paddings: The paddings, shaped [..., 1], same rank as `inputs`, or None.
+      **kwargs: Passed to `_GetBetaGamma`.
+
+    Returns:
+      Tuple of (mean, variance, beta, gamma) to normalize with.
+    """
+    p = self.params
+    if self.do_eval or p.freeze_bn_stats or not self.AccumulatesStats():
+      return super().ComputeAndUpdateMoments(theta, inputs, paddings, **kwargs)
+    if paddings is None:
+      paddings = self._GetDefaultPaddings(inputs)
+    with tf.name_scope(p.name):
+      reduce_over_dims = tf.range(0, tf.rank(paddings) - 1)
+      mean, variance = bn_layers.ComputeMoments(
+          inputs, paddings, reduce_over_dims, None,
+          p.enable_cross_replica_sum_on_tpu)
+      count = tf.reduce_sum(
+          py_utils.ApplyPadding(paddings, tf.ones_like(inputs[..., :1])))
+      if py_utils.use_tpu() and p.enable_cross_replica_sum_on_tpu:
+        count = tf.tpu.cross_replica_sum(count)
+      self.accumulators.moments.Update(
+          tf.stop_gradient(
+              tf.stack([tf.broadcast_to(count, tf.shape(mean)), mean,
+                        variance])))
+      if p.use_moving_avg_in_training:
+        norm_mean, norm_variance = theta.moving_mean, theta.moving_variance
+      else:
+        norm_mean, norm_variance = mean, variance
+      norm_mean = py_utils.CheckNumerics(
+          norm_mean, f'mean of {p.name} failed numeric check')
+      norm_variance = py_utils.CheckNumerics(
+          norm_variance, f'variance of {p.name} failed numeric check')
+      beta, gamma = self._GetBetaGamma(theta, inputs, **kwargs)
+      return norm_mean, norm_variance, beta, gamma
+
+  def PostTrainingStepUpdate(self):
+    """Updates the moving statistics from the accumulated moments.
+
+    Lingvo's `BaseTask` calls this once per training step, after the gradient
+    updates and the `bn_updates`. If FProp accumulated nothing (outside a
+    pipeline the update is Lingvo's `bn_updates` entry) it does nothing.
+
+    Returns:
+      The update op.
+    """
+    acc = self.accumulators.moments
+    ops = [super().PostTrainingStepUpdate()]
+    if acc.has_value:
+      moments = acc.GetValue()
+      with tf.name_scope(self.params.name):
+        ops.append(py_utils.UpdateBatchNormVars(
+            self.vars.moving_mean, moments[_MEAN], self._decay))
+        ops.append(py_utils.UpdateBatchNormVars(
+            self.vars.moving_variance, moments[_VARIANCE], self._decay))
+      acc.Reset()
+    return tf.group(*ops)
