@@ -3,12 +3,11 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import test_util
+
 
 # name -> plan.py arguments ({tmp} is replaced by a temporary directory).
 # Each run imports TensorFlow and Lingvo (seconds), so all start at once.
@@ -52,24 +51,8 @@ RUNS = {
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  tmp = str(tmp_path_factory.mktemp('plan'))
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(
-      [ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  procs = {
-      name: subprocess.Popen(
-          [sys.executable, 'tools/plan.py'] +
-          [a.format(tmp=tmp) for a in args],
-          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-          text=True) for name, args in RUNS.items()
-  }
-  results = {}
-  for name, proc in procs.items():
-    stdout, stderr = proc.communicate(timeout=300)
-    results[name] = (proc.returncode, stdout, stderr)
-  results['tmp'] = tmp
-  return results
+  return test_util.RunToolInParallel(
+      'plan.py', RUNS, str(tmp_path_factory.mktemp('plan')), timeout=300)
 
 
 def _Summary(stdout):

@@ -1,5 +1,9 @@
 """Helpers shared by the tests: cell stacks, references and runners."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 from lingvo import compat as tf
 from lingvo.core import base_layer
@@ -11,6 +15,7 @@ from lingvo.core import py_utils
 
 from lingvo_gpipe import GPipeSequentialLayer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 4
 CPUS = [f'/job:localhost/replica:0/task:0/device:CPU:{i}'
         for i in range(NUM_DEVICES)]
@@ -176,3 +181,33 @@ def RunFunction(pipe_params, cell_fn, inputs, jit_compile=False):
     return results
 
   return [[t.numpy() for t in r] for r in Step()]
+
+
+def RunToolInParallel(tool, runs, tmp, timeout):
+  """Runs `python tools/<tool>` once per entry of `runs`, all at once.
+
+  Args:
+    tool: File name in tools/, e.g. 'plan.py'.
+    runs: {name: argument list}; '{tmp}' in an argument becomes `tmp`.
+    tmp: A scratch folder.
+    timeout: Seconds each run may take.
+
+  Returns:
+    {name: (exit code, stdout, stderr)} plus 'tmp': tmp.
+  """
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(
+      [ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  procs = {
+      name: subprocess.Popen(
+          [sys.executable, os.path.join('tools', tool)] +
+          [a.format(tmp=tmp) for a in args],
+          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text=True) for name, args in runs.items()
+  }
+  results = {'tmp': tmp}
+  for name, proc in procs.items():
+    stdout, stderr = proc.communicate(timeout=timeout)
+    results[name] = (proc.returncode, stdout, stderr)
+  return results

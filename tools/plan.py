@@ -34,13 +34,12 @@ import collections
 import json
 import math
 import re
-import sys
 from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence,
                     Tuple)
 
-from absl import app
 from absl import flags
 
+import cli  # tools/cli.py
 from lingvo_gpipe import partition as partition_lib
 from lingvo_gpipe import schedule
 
@@ -119,11 +118,6 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     'trace_out', None, 'simulate, timeline: optional path of a Chrome trace '
     '(JSON) of the step, for https://ui.perfetto.dev or chrome://tracing.')
-flags.DEFINE_string(
-    'json_out', None, 'Optional path: also write the numbers as JSON there '
-    '(partition: partitions, stage costs, shares, memory, imbalance, ours and '
-    'Lingvo; simulate: step time, bubble, utilization, memory; timeline: the '
-    'same measured, and every event).')
 
 _DEFAULT_EXAMPLE_STAGES = (4, 8)
 
@@ -787,34 +781,6 @@ SUBCOMMANDS: Dict[str, Callable[[Sequence[str]], Dict[str, Any]]] = {
 }
 
 
-def _Fail(message: str) -> None:
-  """Prints one error line and exits with status 2."""
-  print(f'plan.py: error: {" ".join(message.split())}', file=sys.stderr)
-  sys.exit(2)
-
-
-def _ParseFlags(argv: List[str]) -> List[str]:
-  """absl flag parsing with a one-line error instead of absl's two."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    _Fail(str(e))
-
-
-def main(argv: List[str]) -> None:
-  if len(argv) < 2 or argv[1] not in SUBCOMMANDS:
-    given = repr(argv[1]) if len(argv) > 1 else 'none'
-    _Fail(f'subcommand {given} is not valid; use one of {sorted(SUBCOMMANDS)}, '
-          'e.g. plan.py partition --costs=1,4,4,8 --num_stages=2.')
-  try:
-    numbers = SUBCOMMANDS[argv[1]](argv[2:])
-  except PlanError as e:
-    _Fail(f'{argv[1]}: {e}')
-  if FLAGS.json_out:
-    with open(FLAGS.json_out, 'w') as f:
-      json.dump(numbers, f, indent=2)
-    print(f'Wrote {FLAGS.json_out}')
-
-
 if __name__ == '__main__':
-  app.run(main, flags_parser=_ParseFlags)
+  cli.Run('plan.py', SUBCOMMANDS, (PlanError,),
+          'plan.py partition --costs=1,4,4,8 --num_stages=2')
