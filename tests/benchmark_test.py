@@ -1,8 +1,8 @@
 """Tests of tools/benchmark.py, run as a subprocess like a user would.
 
-One tiny end-to-end `memory` run (each configuration and budget probe is a
-subprocess importing TensorFlow, several seconds each) plus error cases that
-fail before any measurement. No timing or memory values are asserted. The
+One tiny end-to-end `memory` run and one tiny `speed` run (each configuration
+and budget probe is a subprocess importing TensorFlow, several seconds each)
+plus error cases that fail before any measurement. No timing or memory values are asserted. The
 largest-model search is tested in-process on synthetic memory curves.
 """
 
@@ -10,16 +10,18 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+
+import test_util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _LoadTool():
   """tools/benchmark.py as a module (it imports TensorFlow only in workers)."""
+  sys.path.insert(0, os.path.join(ROOT, 'tools'))  # For its `import cli`.
   spec = importlib.util.spec_from_file_location(
       'benchmark_tool', os.path.join(ROOT, 'tools', 'benchmark.py'))
   module = importlib.util.module_from_spec(spec)
@@ -41,36 +43,33 @@ TINY = [
 ]
 
 # name -> benchmark.py arguments ({tmp} is replaced by a temporary directory).
+TINY_SPEED = [
+    'speed', '--num_layers=2', '--dim=16', '--batch=16', '--speed_stages=1,2',
+    '--speed_micro_batches=2', '--steps=1', '--repeats=1', '--parallel=2'
+]
+
 RUNS = {
     'tiny': TINY,
+    'speed': TINY_SPEED + ['--json_out={tmp}/speed.json'],
     'bad_subcommand': ['speedy', '--num_layers=4'],
     'no_subcommand': ['--num_layers=4'],
     'bad_layers': ['memory', '--num_layers=0'],
     'bad_remat': ['memory', '--remat=always,sometimes'],
     'bad_micro_batches': ['memory', '--batch=64', '--micro_batches=1,3'],
+    'bad_speed_micro_batches': ['speed', '--batch=64',
+                                '--speed_micro_batches=1,3'],
+    'bad_speed_stages': ['speed', '--num_layers=2', '--speed_stages=1,4'],
 }
+
+# Eight configurations (plain, GPipe remat='never' at K=1, M=1, and GPipe,
+# Lingvo and GPipe in tf.function at K=1,2 with M=2), two at a time.
 
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  tmp = str(tmp_path_factory.mktemp('benchmark'))
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(
-      [ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  procs = {
-      name: subprocess.Popen(
-          [sys.executable, 'tools/benchmark.py'] +
-          [a.format(tmp=tmp) for a in args],
-          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-          text=True) for name, args in RUNS.items()
-  }
-  results = {}
-  for name, proc in procs.items():
-    stdout, stderr = proc.communicate(timeout=600)
-    results[name] = (proc.returncode, stdout, stderr)
-  results['tmp'] = tmp
-  return results
+  return test_util.RunToolInParallel(
+      'benchmark.py', RUNS, str(tmp_path_factory.mktemp('benchmark')),
+      timeout=600)
 
 
 def testMemoryEndToEnd(runs):
@@ -107,13 +106,53 @@ def testMemoryEndToEnd(runs):
   assert f'{numbers["subprocesses"]} subprocesses' in stdout
 
 
+def testSpeedEndToEnd(runs):
+  code, stdout, stderr = runs['speed']
+  assert code == 0, stderr
+  assert ('  K   M  ours s Lingvo s ours/Lingvo ours/plain ours build Lingvo '
+          'build build ratio  tf.fn s ours MiB Lingvo MiB tf.fn MiB'
+         ) in stdout
+  assert 'ours K=1 M=1 remat=never: step' in stdout
+  with open(os.path.join(runs['tmp'], 'speed.json')) as f:
+    numbers = json.load(f)
+  assert numbers['subcommand'] == 'speed'
+  assert numbers['flags']['num_layers'] == 2
+  assert numbers['flags']['speed_stages'] == [1, 2]
+  assert [(r['stages'], r['micro_batches']) for r in numbers['rows']] == [
+      (1, 2), (2, 2)]
+  assert numbers['subprocesses'] == 8
+  measured = [numbers['plain'], numbers['gpipe_never']]
+  for row in numbers['rows']:
+    for key in ('step_ratio_lingvo', 'step_ratio_plain', 'build_ratio_lingvo'):
+      assert row[key] > 0, row
+    for variant in ('gpipe', 'lingvo', 'gpipe_function'):
+      measured.append(row[variant])
+      assert row['examples_per_s'][variant] > 0, row
+  assert [m['name'] for m in measured] == [
+      'plain', 'gpipe K=1 M=1 never', 'gpipe K=1 M=2 always', 'lingvo K=1 M=2',
+      'gpipe tf.function K=1 M=2 always', 'gpipe K=2 M=2 always',
+      'lingvo K=2 M=2', 'gpipe tf.function K=2 M=2 always'
+  ]
+  for m in measured:
+    for key in ('step_s', 'warmup_s', 'build_s'):
+      assert m[key] > 0, m
+    assert m['peak_mib'] >= 0, m
+  for m in numbers['measurements']:
+    assert m['num_params'] == 2 * (16 * 16 + 16)
+    assert len(m['runs']) == 1
+
+
 @pytest.mark.parametrize('name, message', [
     ('bad_subcommand', "subcommand 'speedy' is not valid; use one of "
-     "['memory']"),
+     "['memory', 'speed']"),
     ('no_subcommand', 'subcommand none is not valid'),
     ('bad_layers', '--num_layers=0'),
     ('bad_remat', "--remat=always,sometimes: 'sometimes' is not one of"),
     ('bad_micro_batches', '--micro_batches: M=3 does not divide --batch=64'),
+    ('bad_speed_micro_batches',
+     'speed: --speed_micro_batches: M=3 does not divide --batch=64'),
+    ('bad_speed_stages', 'speed: --speed_stages: K=4 is more than '
+     '--num_layers=2'),
 ])
 def testErrors(runs, name, message):
   code, stdout, stderr = runs[name]

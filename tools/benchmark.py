@@ -1,8 +1,10 @@
-"""Benchmarks GPipeSequentialLayer against the plain sequential stack.
+"""Benchmarks GPipeSequentialLayer against the plain stack and Lingvo's GPipe.
 
     python tools/benchmark.py memory
     python tools/benchmark.py memory --num_layers=16 --batch=4096 --repeats=3
     python tools/benchmark.py memory --nobudget_search --micro_batches=4,8
+    python tools/benchmark.py speed
+    python tools/benchmark.py speed --speed_stages=2,4 --speed_micro_batches=8
 
 Subcommands (the first argument that is not a flag):
   memory  Peak memory and step time of one training step (forward,
@@ -11,6 +13,16 @@ Subcommands (the first argument that is not a flag):
           GPipeSequentialLayer with one stage for every number of
           micro-batches M and re-materialization mode. Then the largest number
           of layers whose step fits a memory budget, plain vs. GPipe.
+  speed   Step time, first-step time, graph build time and peak memory of the
+          same kind of training step (gradients colocated with their ops, as
+          Lingvo's trainer does) on K logical CPU devices (one per stage,
+          placed by Lingvo's cluster model split) for every K in
+          --speed_stages and M in --speed_micro_batches: GPipeSequentialLayer
+          (remat='always'), Lingvo's gpipe.PipeliningLayer (which always
+          recomputes) and GPipeSequentialLayer in an eager tf.function
+          (GradientTape), plus the plain SequentialLayer and GPipe with
+          remat='never' at K=1, M=1 as references. Unless given, its flags
+          default to --num_layers=16 --batch=2048 --steps=5 --repeats=2.
 
 Every configuration runs in a fresh subprocess of this script (the internal
 subcommand `_measure`), so allocator peaks never leak from one configuration
@@ -34,21 +46,23 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from absl import app
 from absl import flags
+
+import cli  # tools/cli.py
 
 FLAGS = flags.FLAGS
 
 flags.DEFINE_integer(
     'num_layers', 32, 'Number of Lingvo FCLayer cells (dim -> dim, ReLU) in '
-    'the model of the memory table.', lower_bound=1)
+    'the model (speed: 16 unless given).', lower_bound=1)
 flags.DEFINE_integer(
     'dim', 256, 'Input and output dimension of every FCLayer. Small against '
     '--batch so that activations, not weights, dominate memory.',
     lower_bound=1)
 flags.DEFINE_integer(
     'batch', 16384, 'Mini-batch size of the training step; must be divisible '
-    'by every --micro_batches value and by --budget_micro_batches.',
+    'by every --micro_batches value and by --budget_micro_batches (speed: '
+    'by every --speed_micro_batches value; 2048 unless given).',
     lower_bound=1)
 flags.DEFINE_list(
     'micro_batches', ['1', '4', '8'], 'Comma-separated numbers of '
@@ -59,12 +73,12 @@ flags.DEFINE_list(
     'never.')
 flags.DEFINE_integer(
     'steps', 3, 'Measured training steps per configuration, after one '
-    'warm-up step. Peak memory is the largest of their peaks, step time the '
-    'median.', lower_bound=1)
+    'warm-up step (speed: 5 steps after 2 warm-ups unless given). Peak memory '
+    'is the largest of their peaks, step time the median.', lower_bound=1)
 flags.DEFINE_integer(
     'repeats', 1, 'How many times every configuration of the table runs (each '
     'in a fresh subprocess, interleaved with the others); the table shows '
-    'medians.', lower_bound=1)
+    'medians (speed: 2 unless given).', lower_bound=1)
 flags.DEFINE_integer(
     'parallel', 1, 'How many measuring subprocesses run at once. Keep 1 for '
     'meaningful step times; peaks stay per process, so more only makes '
@@ -83,10 +97,12 @@ flags.DEFINE_integer(
     'budget_max_layers', 256, 'Upper bound of the largest-model search: '
     'larger models are not tried (the result is then reported as capped).',
     lower_bound=1)
-flags.DEFINE_string(
-    'json_out', '/tmp/benchmark_memory.json', 'Where to write all numbers '
-    '(every measurement, the budget search and its probes, the flags and the '
-    'TensorFlow and Lingvo versions) as JSON. Empty: do not write.')
+flags.DEFINE_list(
+    'speed_stages', ['1', '2', '4'], 'speed: comma-separated numbers of '
+    'pipeline stages K (= logical CPU devices) to measure.')
+flags.DEFINE_list(
+    'speed_micro_batches', ['1', '4', '8', '16'], 'speed: comma-separated '
+    'numbers of micro-batches M to measure with every K.')
 
 _WORKER = '_measure'
 _RESULT_PREFIX = 'BENCHMARK_RESULT '
@@ -106,46 +122,197 @@ class BenchmarkError(ValueError):
 # The measuring subprocess.
 
 
+def _Cells(config: Dict[str, Any]) -> List[Any]:
+  """The Params of the model's FCLayer cells (dim -> dim, ReLU)."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import layers
+  from lingvo.core import py_utils
+  # pylint: enable=g-import-not-at-top
+  dim = config['dim']
+  # He initialization keeps the ReLU activations' scale through deep stacks.
+  init = py_utils.WeightInit.Gaussian(math.sqrt(2.0 / dim))
+  return [
+      layers.FCLayer.Params().Set(
+          name=f'fc{i}', input_dim=dim, output_dim=dim, params_init=init)
+      for i in range(config['num_layers'])
+  ]
+
+
+def _UniformSplit(num_cells: int, num_stages: int) -> List[int]:
+  """Cells per stage: equal counts, the first stages get one more."""
+  base, extra = divmod(num_cells, num_stages)
+  return [base + (k < extra) for k in range(num_stages)]
+
+
 def _BuildModel(config: Dict[str, Any]):
-  """Instantiates the configuration's model (call inside a graph).
+  """Instantiates the configuration's model (in a graph or eagerly).
 
   Args:
     config: A configuration dict, see `_Config`.
 
   Returns:
-    A Lingvo layer: builder_layers.SequentialLayer or GPipeSequentialLayer.
+    A Lingvo layer: builder_layers.SequentialLayer (plain),
+    GPipeSequentialLayer (gpipe, gpipe_function) or gpipe.PipeliningLayer
+    (lingvo).
   """
   # pylint: disable=g-import-not-at-top
   from lingvo.core import builder_layers
-  from lingvo.core import layers
-  from lingvo.core import py_utils
+  from lingvo.core import gpipe
   from lingvo_gpipe import GPipeSequentialLayer
   # pylint: enable=g-import-not-at-top
-  dim = config['dim']
-  # He initialization keeps the ReLU activations' scale through deep stacks.
-  init = py_utils.WeightInit.Gaussian(math.sqrt(2.0 / dim))
-  cells = [
-      layers.FCLayer.Params().Set(
-          name=f'fc{i}', input_dim=dim, output_dim=dim, params_init=init)
-      for i in range(config['num_layers'])
-  ]
+  cells = _Cells(config)
+  num_stages = config['stages']
   if config['model'] == 'plain':
     params = builder_layers.SequentialLayer.Params().Set(name='model',
                                                          sub=cells)
+  elif config['model'] == 'lingvo':
+    stages, start = [], 0
+    for k, count in enumerate(_UniformSplit(len(cells), num_stages)):
+      stages.append(gpipe.FeatureExtractionLayer.Params().Set(
+          name=f'stage{k}', sub=cells[start:start + count]))
+      start += count
+    params = gpipe.PipeliningLayer.Params().Set(
+        name='model',
+        cell_tpl=stages,
+        num_micro_batches=config['micro_batches'])
   else:
+    devices = None
+    if config['model'] == 'gpipe_function':
+      devices = [f'/device:CPU:{k}' for k in range(num_stages)]
     params = GPipeSequentialLayer.Params().Set(
         name='model',
         cell_tpl=cells,
-        num_stages=1,
+        num_stages=num_stages,
         num_micro_batches=config['micro_batches'],
-        remat=config['remat'])
+        remat=config['remat'],
+        devices=devices)
   return params.Instantiate()
 
 
-def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
-  """Builds one training step and measures its peak memory and time.
+def _Loss(y):
+  """The scalar loss of the model's output (a tensor or a 1-tuple)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if isinstance(y, (list, tuple)):
+    (y,) = y
+  return tf.reduce_mean(tf.square(y))
 
-  Runs in the `_measure` subprocess: one warm-up step, then `steps` steps,
+
+def _TimeSteps(run_step: Callable[[], None],
+               config: Dict[str, Any]) -> Dict[str, Any]:
+  """Times `warmups` warm-up steps (the first one reported) and `steps` steps.
+
+  Args:
+    run_step: Runs one training step to completion.
+    config: A configuration dict, see `_Config`.
+
+  Returns:
+    peak_mib, peaks_mib, resident_mib, step_s (median), step_times_s,
+    warmup_s (the first step).
+
+  Raises:
+    BenchmarkError: if the allocator keeps no statistics.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  start = time.time()
+  run_step()
+  warmup_s = time.time() - start
+  for _ in range(config.get('warmups', 1) - 1):
+    run_step()
+  peaks, resident, times = [], [], []
+  for _ in range(config['steps']):
+    try:
+      tf.config.experimental.reset_memory_stats('CPU:0')
+      resident.append(
+          tf.config.experimental.get_memory_info('CPU:0')['current'])
+    except ValueError as e:
+      raise BenchmarkError(
+          f'{e}: memory statistics need oneDNN\'s allocator; do not set '
+          'TF_ENABLE_ONEDNN_OPTS=0.') from e
+    start = time.time()
+    run_step()
+    times.append(time.time() - start)
+    peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'])
+  return {
+      'peak_mib': max(peaks) / _MIB,
+      'peaks_mib': [p / _MIB for p in peaks],
+      'resident_mib': max(resident) / _MIB,
+      'step_s': statistics.median(times),
+      'step_times_s': times,
+      'warmup_s': warmup_s,
+  }
+
+
+def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
+  """Builds the TF1 training step on K CPU devices; see `MeasureStep`."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory
+  from lingvo.core import py_utils
+  import numpy as np
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
+  num_stages = config['stages']
+  start = time.time()
+  graph = tf.Graph()
+  # K devices per split: Lingvo's layers place stage k on CPU:k.
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=num_stages,
+      split_size=num_stages)
+  with graph.as_default(), cluster:
+    global_step = py_utils.GetOrCreateGlobalStepVar()
+    model = _BuildModel(config)
+    x = tf.random.normal([config['batch'], config['dim']], seed=1)
+    loss = _Loss(model.FProp(model.theta, x))
+    variables = model.vars.Flatten()
+    # Like Lingvo's trainer: each gradient op on its forward op's device.
+    grads = tf.compat.v1.gradients(
+        loss, variables, colocate_gradients_with_ops=True)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(
+        _LEARNING_RATE).apply_gradients(
+            zip(grads, variables), global_step=global_step)
+    init_op = tf.compat.v1.global_variables_initializer()
+    num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
+  build_s = time.time() - start
+  sess = tf.compat.v1.Session(
+      graph=graph,
+      config=tf.compat.v1.ConfigProto(device_count={'CPU': num_stages}))
+  sess.run(init_op)
+  return build_s, num_params, lambda: sess.run(train_op)
+
+
+def _FunctionStep(
+    config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
+  """Builds the eager training step: GradientTape + update in a tf.function."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils
+  import numpy as np
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
+  start = time.time()
+  global_step = py_utils.GetOrCreateGlobalStepVar()
+  model = _BuildModel(config)
+  variables = model.vars.Flatten()
+  optimizer = tf.compat.v1.train.GradientDescentOptimizer(_LEARNING_RATE)
+
+  @tf.function(autograph=False)
+  def Step():
+    x = tf.random.normal([config['batch'], config['dim']], seed=1)
+    with tf.GradientTape() as tape:
+      loss = _Loss(model.FProp(model.theta, x))
+    grads = tape.gradient(loss, variables)
+    optimizer.apply_gradients(zip(grads, variables), global_step=global_step)
+
+  # Tracing (and graph optimization at the first call) happens here.
+  step = Step.get_concrete_function()
+  build_s = time.time() - start
+  num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
+  return build_s, num_params, step
+
+
+def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
+  """Builds one training step and measures its time and peak memory.
+
+  Runs in the `_measure` subprocess, on `stages` logical CPU devices: the
+  first step (timed), `warmups` - 1 more warm-up steps, then `steps` steps,
   each after `reset_memory_stats('CPU:0')`.
 
   Args:
@@ -154,8 +321,9 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
   Returns:
     A JSON-ready dict: peak_mib (largest of the steps), peaks_mib,
     resident_mib (in use before the step: weights, optimizer), step_s
-    (median), step_times_s, build_s, warmup_s, num_params, tf_version,
-    lingvo_version.
+    (median), step_times_s, build_s (model, forward, gradients and update;
+    for gpipe_function the tracing of the tf.function), warmup_s (the first
+    step), num_params, tf_version, lingvo_version.
 
   Raises:
     BenchmarkError: if the allocator keeps no statistics.
@@ -164,57 +332,23 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
   # should not spend seconds importing TensorFlow and Lingvo.
   # pylint: disable=g-import-not-at-top
   from importlib import metadata
-  from lingvo.core import py_utils
-  import numpy as np
   import tensorflow as tf
   # pylint: enable=g-import-not-at-top
-  start = time.time()
-  graph = tf.Graph()
-  with graph.as_default():
-    global_step = py_utils.GetOrCreateGlobalStepVar()
-    model = _BuildModel(config)
-    x = tf.random.normal([config['batch'], config['dim']], seed=1)
-    y = model.FProp(model.theta, x)
-    loss = tf.reduce_mean(tf.square(y))
-    variables = model.vars.Flatten()
-    grads = tf.gradients(loss, variables)
-    train_op = tf.compat.v1.train.GradientDescentOptimizer(
-        _LEARNING_RATE).apply_gradients(
-            zip(grads, variables), global_step=global_step)
-    init_op = tf.compat.v1.global_variables_initializer()
-    num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
-  with tf.compat.v1.Session(graph=graph) as sess:
-    sess.run(init_op)
-    build_s = time.time() - start
-    start = time.time()
-    sess.run(train_op)
-    warmup_s = time.time() - start
-    peaks, resident, times = [], [], []
-    for _ in range(config['steps']):
-      try:
-        tf.config.experimental.reset_memory_stats('CPU:0')
-        resident.append(
-            tf.config.experimental.get_memory_info('CPU:0')['current'])
-      except ValueError as e:
-        raise BenchmarkError(
-            f'{e}: memory statistics need oneDNN\'s allocator; do not set '
-            'TF_ENABLE_ONEDNN_OPTS=0.') from e
-      start = time.time()
-      sess.run(train_op)
-      times.append(time.time() - start)
-      peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'])
-  return {
-      'peak_mib': max(peaks) / _MIB,
-      'peaks_mib': [p / _MIB for p in peaks],
-      'resident_mib': max(resident) / _MIB,
-      'step_s': statistics.median(times),
-      'step_times_s': times,
-      'build_s': build_s,
-      'warmup_s': warmup_s,
-      'num_params': num_params,
-      'tf_version': tf.__version__,
-      'lingvo_version': metadata.version('lingvo'),
-  }
+  if config['model'] == 'gpipe_function':
+    # Before anything initializes TensorFlow's devices (Lingvo's imports).
+    cpu = tf.config.list_physical_devices('CPU')[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * config['stages'])
+    build_s, num_params, run_step = _FunctionStep(config)
+  else:
+    build_s, num_params, run_step = _GraphStep(config)
+  result = _TimeSteps(run_step, config)
+  result.update(
+      build_s=build_s,
+      num_params=num_params,
+      tf_version=tf.__version__,
+      lingvo_version=metadata.version('lingvo'))
+  return result
 
 
 def _Worker(args: Sequence[str]) -> None:
@@ -234,35 +368,49 @@ def _Config(model: str,
             num_layers: int,
             steps: int,
             micro_batches: Optional[int] = None,
-            remat: Optional[str] = None) -> Dict[str, Any]:
+            remat: Optional[str] = None,
+            stages: int = 1,
+            warmups: int = 1,
+            batch: Optional[int] = None) -> Dict[str, Any]:
   """A configuration to measure.
 
   Args:
-    model: 'plain' or 'gpipe'.
+    model: 'plain', 'gpipe', 'lingvo' (gpipe.PipeliningLayer) or
+      'gpipe_function' (GPipe in an eager tf.function).
     num_layers: Number of FCLayers.
-    steps: Measured steps after the warm-up step.
-    micro_batches: M (gpipe only).
-    remat: Re-materialization mode (gpipe only).
+    steps: Measured steps after the warm-up steps.
+    micro_batches: M (not plain).
+    remat: Re-materialization mode (gpipe and gpipe_function only).
+    stages: K, the number of stages and logical CPU devices.
+    warmups: Warm-up steps (the first one is timed as the first step).
+    batch: The mini-batch size; None: --batch.
 
   Returns:
-    A JSON-ready dict; dim and batch come from the flags.
+    A JSON-ready dict; dim (and batch) come from the flags.
   """
   return {
       'model': model,
       'num_layers': num_layers,
       'dim': FLAGS.dim,
-      'batch': FLAGS.batch,
+      'batch': FLAGS.batch if batch is None else batch,
       'micro_batches': micro_batches,
       'remat': remat,
+      'stages': stages,
       'steps': steps,
+      'warmups': warmups,
   }
 
 
 def _Name(config: Dict[str, Any]) -> str:
-  """A short name, e.g. 'plain' or 'gpipe K=1 M=8 always'."""
-  if config['model'] == 'plain':
+  """A short name, e.g. 'plain', 'gpipe K=1 M=8 always' or 'lingvo K=2 M=4'."""
+  model = config['model']
+  if model == 'plain':
     return 'plain'
-  return f'gpipe K=1 M={config["micro_batches"]} {config["remat"]}'
+  shape = f'K={config.get("stages", 1)} M={config["micro_batches"]}'
+  if model == 'lingvo':
+    return f'lingvo {shape}'
+  prefix = 'gpipe' if model == 'gpipe' else 'gpipe tf.function'
+  return f'{prefix} {shape} {config["remat"]}'
 
 
 def _WorkerEnv() -> Dict[str, str]:
@@ -361,7 +509,7 @@ def MeasureTable(runner: _Runner, configs: List[Dict[str, Any]],
   rows = []
   for config, config_runs in zip(configs, runs):
     row = {'name': _Name(config), 'config': config, 'runs': config_runs}
-    for key in ('peak_mib', 'step_s', 'resident_mib', 'build_s'):
+    for key in ('peak_mib', 'step_s', 'resident_mib', 'build_s', 'warmup_s'):
       row[key] = statistics.median(run[key] for run in config_runs)
     row['num_params'] = config_runs[0]['num_params']
     rows.append(row)
@@ -629,46 +777,174 @@ def Memory(args: Sequence[str]) -> Dict[str, Any]:
   return numbers
 
 
-# Subcommand name -> function(positional args) -> JSON-ready dict.
-SUBCOMMANDS: Dict[str, Callable[[Sequence[str]], Dict[str, Any]]] = {
+# ---------------------------------------------------------------------------
+# The speed subcommand.
+
+# Defaults of the speed subcommand for shared flags the user did not give:
+# a step of about 0.1-0.5 s on 2 cores, so that the whole run stays short.
+_SPEED_DEFAULTS = {'num_layers': 16, 'batch': 2048, 'steps': 5, 'repeats': 2}
+_SPEED_WARMUPS = 2
+
+
+def _SpeedFlag(name: str) -> Any:
+  """The flag's value if given on the command line, else speed's default."""
+  return FLAGS[name].value if FLAGS[name].present else _SPEED_DEFAULTS[name]
+
+
+def _PositiveInts(name: str) -> List[int]:
+  """The list flag `name` as positive ints, or a BenchmarkError."""
+  values = []
+  for v in FLAGS[name].value:
+    if not v.strip().isdigit() or int(v) < 1:
+      raise BenchmarkError(f'--{name}={",".join(FLAGS[name].value)}: {v!r} is '
+                           'not a positive int.')
+    values.append(int(v))
+  return values
+
+
+def _FormatSpeedTable(rows: List[Dict[str, Any]]) -> str:
+  """The speed table: one line per (K, M); see `Speed`."""
+
+  def Num(value: Optional[float], width: int, digits: int) -> str:
+    return f'{"n/a":>{width}}' if value is None else f'{value:>{width}.{digits}f}'
+
+  columns = [('K', 3), ('M', 4), ('ours s', 8), ('Lingvo s', 9),
+             ('ours/Lingvo', 12), ('ours/plain', 11), ('ours build', 11),
+             ('Lingvo build', 13), ('build ratio', 12), ('tf.fn s', 9),
+             ('ours MiB', 9), ('Lingvo MiB', 11), ('tf.fn MiB', 10)]
+  lines = [''.join(f'{name:>{width}}' for name, width in columns)]
+  lines.append('-' * len(lines[0]))
+  for row in rows:
+    ours, lingvo, func = row['gpipe'], row['lingvo'], row['gpipe_function']
+    lines.append(
+        f'{row["stages"]:>3}{row["micro_batches"]:>4}'
+        f'{Num(ours["step_s"], 8, 3)}{Num(lingvo["step_s"], 9, 3)}'
+        f'{Num(row["step_ratio_lingvo"], 12, 2)}'
+        f'{Num(row["step_ratio_plain"], 11, 2)}'
+        f'{Num(ours["build_s"], 11, 2)}{Num(lingvo["build_s"], 13, 2)}'
+        f'{Num(row["build_ratio_lingvo"], 12, 2)}{Num(func["step_s"], 9, 3)}'
+        f'{Num(ours["peak_mib"], 9, 1)}{Num(lingvo["peak_mib"], 11, 1)}'
+        f'{Num(func["peak_mib"], 10, 1)}')
+  return '\n'.join(lines)
+
+
+def _Summary(row: Dict[str, Any]) -> Dict[str, Any]:
+  """The medians of one measured configuration (a `MeasureTable` row)."""
+  return {
+      key: row[key]
+      for key in ('name', 'step_s', 'warmup_s', 'build_s', 'peak_mib',
+                  'resident_mib')
+  }
+
+
+def Speed(args: Sequence[str]) -> Dict[str, Any]:
+  """The `speed` subcommand: ours vs. Lingvo's GPipe for every (K, M).
+
+  Args:
+    args: Positional arguments after the subcommand (must be empty).
+
+  Returns:
+    A JSON-ready dict with the flags, versions, one row per (K, M), the plain
+    and remat='never' references and every measurement.
+
+  Raises:
+    BenchmarkError: on bad flags or a failed measurement.
+  """
+  if args:
+    raise BenchmarkError(f'speed takes no positional arguments, got '
+                         f'{list(args)}.')
+  num_layers, batch, steps, repeats = (
+      _SpeedFlag(name) for name in ('num_layers', 'batch', 'steps', 'repeats'))
+  stages = _PositiveInts('speed_stages')
+  micro_batches = _PositiveInts('speed_micro_batches')
+  for k in stages:
+    if k > num_layers:
+      raise BenchmarkError(f'--speed_stages: K={k} is more than '
+                           f'--num_layers={num_layers}; every stage needs a '
+                           'cell.')
+  for m in micro_batches:
+    if batch % m:
+      raise BenchmarkError(f'--speed_micro_batches: M={m} does not divide '
+                           f'--batch={batch}; use a divisor of the batch.')
+  start = time.time()
+  runner = _Runner(FLAGS.parallel)
+
+  def Config(model, k=1, m=1, remat=None):
+    return _Config(model, num_layers, steps, m, remat, stages=k,
+                   warmups=_SPEED_WARMUPS, batch=batch)
+
+  configs = [Config('plain', m=None), Config('gpipe', remat='never')]
+  shapes = [(k, m) for k in stages for m in micro_batches]
+  for k, m in shapes:
+    configs += [
+        Config('gpipe', k, m, 'always'),
+        Config('lingvo', k, m),
+        Config('gpipe_function', k, m, 'always')
+    ]
+  print(f'Measuring {len(configs)} configurations x {repeats} rounds, each '
+        'in a subprocess...', file=sys.stderr, flush=True)
+  measured = MeasureTable(runner, configs, repeats)
+  plain, never = measured[0], measured[1]
+  rows = []
+  for i, (k, m) in enumerate(shapes):
+    ours, lingvo, func = measured[2 + 3 * i:5 + 3 * i]
+    rows.append({
+        'stages': k,
+        'micro_batches': m,
+        'gpipe': _Summary(ours),
+        'lingvo': _Summary(lingvo),
+        'gpipe_function': _Summary(func),
+        'step_ratio_lingvo': _Ratio(ours['step_s'], lingvo['step_s']),
+        'step_ratio_plain': _Ratio(ours['step_s'], plain['step_s']),
+        'build_ratio_lingvo': _Ratio(ours['build_s'], lingvo['build_s']),
+        'examples_per_s': {
+            name: _Ratio(batch, row['step_s'])
+            for name, row in (('gpipe', ours), ('lingvo', lingvo),
+                              ('gpipe_function', func))
+        },
+    })
+  print(f'One training step of {num_layers} FCLayers, dim {FLAGS.dim}, batch '
+        f'{batch} on K logical CPU devices (median of {repeats} rounds x '
+        f'{steps} steps; ours: remat=always):')
+  print(f'  plain SequentialLayer: step {plain["step_s"]:.3f} s '
+        f'({batch / plain["step_s"]:.0f} examples/s), build '
+        f'{plain["build_s"]:.2f} s, peak {plain["peak_mib"]:.1f} MiB')
+  print(f'  ours K=1 M=1 remat=never: step {never["step_s"]:.3f} s = '
+        f'{_FormatRatio(_Ratio(never["step_s"], plain["step_s"]))}x plain, '
+        f'build {never["build_s"]:.2f} s, peak {never["peak_mib"]:.1f} MiB')
+  print(_FormatSpeedTable(rows))
+  print()
+  first = plain['runs'][0]
+  numbers = {
+      'subcommand': 'speed',
+      'flags': {
+          'num_layers': num_layers, 'dim': FLAGS.dim, 'batch': batch,
+          'steps': steps, 'warmups': _SPEED_WARMUPS, 'repeats': repeats,
+          'speed_stages': stages, 'speed_micro_batches': micro_batches,
+          'parallel': FLAGS.parallel, 'json_out': FLAGS.json_out,
+      },
+      'tf_version': first['tf_version'],
+      'lingvo_version': first['lingvo_version'],
+      'plain': _Summary(plain),
+      'gpipe_never': dict(
+          _Summary(never), step_ratio_plain=_Ratio(never['step_s'],
+                                                   plain['step_s'])),
+      'rows': rows,
+      'measurements': measured,
+      'subprocesses': runner.num_runs,
+      'total_s': time.time() - start,
+  }
+  print(f'{runner.num_runs} subprocesses, {numbers["total_s"]:.0f} s.')
+  return numbers
+
+
+# Subcommand name -> function(positional args) -> JSON-ready dict (or None).
+SUBCOMMANDS: Dict[str, Callable[[Sequence[str]], Optional[Dict[str, Any]]]] = {
     'memory': Memory,
+    'speed': Speed,
+    _WORKER: _Worker,
 }
 
-
-def _Fail(message: str) -> None:
-  """Prints one error line and exits with status 2."""
-  print(f'benchmark.py: error: {" ".join(message.split())}', file=sys.stderr)
-  sys.exit(2)
-
-
-def _ParseFlags(argv: List[str]) -> List[str]:
-  """absl flag parsing with a one-line error instead of absl's two."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    _Fail(str(e))
-
-
-def main(argv: List[str]) -> None:
-  if len(argv) > 1 and argv[1] == _WORKER:
-    try:
-      _Worker(argv[2:])
-    except BenchmarkError as e:
-      _Fail(f'{_WORKER}: {e}')
-    return
-  if len(argv) < 2 or argv[1] not in SUBCOMMANDS:
-    given = repr(argv[1]) if len(argv) > 1 else 'none'
-    _Fail(f'subcommand {given} is not valid; use one of {sorted(SUBCOMMANDS)}, '
-          'e.g. benchmark.py memory --num_layers=32.')
-  try:
-    numbers = SUBCOMMANDS[argv[1]](argv[2:])
-  except BenchmarkError as e:
-    _Fail(f'{argv[1]}: {e}')
-  if FLAGS.json_out:
-    with open(FLAGS.json_out, 'w') as f:
-      json.dump(numbers, f, indent=2)
-    print(f'Wrote {FLAGS.json_out}')
-
-
 if __name__ == '__main__':
-  app.run(main, flags_parser=_ParseFlags)
+  cli.Run('benchmark.py', SUBCOMMANDS, (BenchmarkError,),
+          'benchmark.py memory --num_layers=32')
