@@ -142,13 +142,15 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
 
   def _Partition(self, cell_costs):
     """Sets the optimal partition for `cell_costs` and logs the plan."""
-    self._partition = partition_lib.PartitionCosts(
-        cell_costs, self._num_stages, costs_lib.CellMemory(self._cells))
-    self._LogPlan(cell_costs)
-
-  def _LogPlan(self, cell_costs):
-    """Logs each stage's cells, cost (`cell_costs`), share and memory."""
     memory = costs_lib.CellMemory(self._cells)
+    self._partition = partition_lib.PartitionCosts(cell_costs,
+                                                   self._num_stages, memory)
+    self._LogPlan(cell_costs, memory)
+
+  def _LogPlan(self, cell_costs, memory=None):
+    """Logs each stage's cells, cost (`cell_costs`), share and memory."""
+    if memory is None:
+      memory = costs_lib.CellMemory(self._cells)
     logging.info(
         '%s: partition=%r\n%s', self.params.name, self.params.partition,
         costs_lib.PartitionReport(
@@ -188,20 +190,14 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       num_stages = len(counts)
     pipeline.CheckRemat(p.remat)
     placement.CheckDevices(p.devices, num_stages)
-    if (not isinstance(p.num_micro_batches, int) or
-        isinstance(p.num_micro_batches, bool) or p.num_micro_batches < 1):
-      raise ValueError(f'num_micro_batches={p.num_micro_batches!r} must be a '
-                       'positive int.')
+    schedule.CheckPositiveInt('num_micro_batches', p.num_micro_batches)
     if p.micro_batch_size is not None:
-      if not isinstance(p.micro_batch_size, int) or p.micro_batch_size < 1:
-        raise ValueError(f'micro_batch_size={p.micro_batch_size!r} must be a '
-                         'positive int or None.')
+      schedule.CheckPositiveInt('micro_batch_size', p.micro_batch_size)
       if p.num_micro_batches != 1:
         raise ValueError(
             f'micro_batch_size={p.micro_batch_size} and num_micro_batches='
             f'{p.num_micro_batches} are both set; set only one of them.')
-    if not isinstance(p.batch_dim, int) or p.batch_dim < 0:
-      raise ValueError(f'batch_dim={p.batch_dim!r} must be an int >= 0.')
+    pipeline.CheckBatchDim(p.batch_dim)
     return num_stages, counts
 
   @property

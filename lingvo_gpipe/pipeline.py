@@ -28,6 +28,12 @@ REMAT_MODES = schedule.REMAT_MODES
 CheckRemat = schedule.CheckRemat
 
 
+def CheckBatchDim(batch_dim: int) -> None:
+  """Raises ValueError unless `batch_dim` is an int >= 0."""
+  if not isinstance(batch_dim, int) or batch_dim < 0:
+    raise ValueError(f'batch_dim={batch_dim!r} must be an int >= 0.')
+
+
 class Pipeline:
   """Runs stage functions as a GPipe pipeline.
 
@@ -67,12 +73,8 @@ class Pipeline:
       raise ValueError(f'devices has {len(devices)} entries {list(devices)} '
                        f'but there are {len(stage_fns)} stages; give one '
                        'device per stage.')
-    if (not isinstance(num_micro_batches, int) or
-        isinstance(num_micro_batches, bool) or num_micro_batches < 1):
-      raise ValueError(f'num_micro_batches={num_micro_batches!r} must be a '
-                       'positive int.')
-    if not isinstance(batch_dim, int) or batch_dim < 0:
-      raise ValueError(f'batch_dim={batch_dim!r} must be an int >= 0.')
+    schedule.CheckPositiveInt('num_micro_batches', num_micro_batches)
+    CheckBatchDim(batch_dim)
     CheckRemat(remat)
     self._stage_fns = list(stage_fns)
     self.num_stages = len(stage_fns)

@@ -26,9 +26,10 @@ REMAT_MODES = ('always', 'except_last', 'never')
 PHASES = ('forward', 'recompute', 'backward')
 
 
-def _CheckPositive(name: str, value: int) -> None:
+def CheckPositiveInt(name: str, value: int) -> None:
+  """Raises ValueError naming `name` unless `value` is an int >= 1."""
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f'{name} must be a positive int, got {value!r}.')
+    raise ValueError(f'{name}={value!r} must be a positive int.')
 
 
 def GPipeSchedule(num_stages: int,
@@ -50,8 +51,8 @@ def GPipeSchedule(num_stages: int,
   Raises:
     ValueError: if K or M is not a positive int.
   """
-  _CheckPositive('num_stages', num_stages)
-  _CheckPositive('num_micro_batches', num_micro_batches)
+  CheckPositiveInt('num_stages', num_stages)
+  CheckPositiveInt('num_micro_batches', num_micro_batches)
   ticks = []
   for clock in range(num_micro_batches + num_stages - 1):
     ticks.append([(stage, clock - stage)
@@ -73,8 +74,8 @@ def BubbleFraction(num_stages: int, num_micro_batches: int) -> float:
   Raises:
     ValueError: if K or M is not a positive int.
   """
-  _CheckPositive('num_stages', num_stages)
-  _CheckPositive('num_micro_batches', num_micro_batches)
+  CheckPositiveInt('num_stages', num_stages)
+  CheckPositiveInt('num_micro_batches', num_micro_batches)
   return (num_stages - 1) / (num_micro_batches + num_stages - 1)
 
 
@@ -196,7 +197,7 @@ def StageOccupancy(events: Sequence[Event], num_stages: int) -> Occupancy:
     ValueError: if K is not a positive int, there are no events, or an event's
       stage is out of range.
   """
-  _CheckPositive('num_stages', num_stages)
+  CheckPositiveInt('num_stages', num_stages)
   if not events:
     raise ValueError('events is empty; a step has at least one event.')
   busy = [0.0] * num_stages
@@ -336,7 +337,7 @@ def Simulate(forward_costs: Sequence[float],
   forward = _CheckCosts('forward_costs', forward_costs)
   num_stages = len(forward)
   backward = _CheckCosts('backward_costs', backward_costs, num_stages)
-  _CheckPositive('num_micro_batches', num_micro_batches)
+  CheckPositiveInt('num_micro_batches', num_micro_batches)
   num_micro = num_micro_batches
   CheckRemat(remat)
   if (isinstance(transfer_cost, bool) or

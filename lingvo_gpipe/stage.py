@@ -104,6 +104,7 @@ class Stage:
     self._input_mask = None
     self._output_mask = None
     self._num_state = 0
+    self._checked_weights = False
     self.forward = tf.function(self._Forward, autograph=False)
     # Inlining would let TensorFlow start a recompute as soon as its forward
     # inputs exist, ignoring the gate on upstream gradients (recompute.py).
@@ -209,8 +210,10 @@ class Stage:
     self._num_state = len(state_flat)
     x_tensors = [x for x in inputs if x is not None]
     args = (chain.theta, x_tensors, state_flat, micro_batch_id)
-    if remat:
+    if remat and not self._checked_weights:
       self._CheckNoCapturedWeights(*args)
+      self._checked_weights = True
+    if remat:
       results, token, theta = recompute.RecomputingCall(
           self.forward, self.backward, *args, token=chain.token,
           pass_theta=not last, device=self.device)

@@ -183,7 +183,7 @@ def testSimulateLargePipelineIsFast():
     (dict(forward_costs=[1, math.inf]), r'forward_costs\[1\]=inf must be'),
     (dict(backward_costs=[1]), 'backward_costs has 1 entries .* expected 2'),
     (dict(backward_costs=[1, True]), r'backward_costs\[1\]=True must be'),
-    (dict(num_micro_batches=0), 'num_micro_batches must be a positive int'),
+    (dict(num_micro_batches=0), 'num_micro_batches=0 must be a positive int'),
     (dict(remat='sometimes'), "remat='sometimes' is not supported; use one "
      r"of \['always', 'except_last', 'never'\]"),
     (dict(transfer_cost=-0.5), 'transfer_cost=-0.5 must be a finite number'),
