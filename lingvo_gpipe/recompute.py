@@ -24,15 +24,23 @@ import tensorflow as tf
 def _Gate(tensors: Sequence[tf.Tensor],
           after: Sequence[tf.Tensor]) -> List[tf.Tensor]:
   """Identities of `tensors` that exist only once all of `after` exist."""
-  after = [t for t in after if t is not None]
+  after = tf.nest.flatten([t for t in after if t is not None],
+                          expand_composites=True)
   with tf.control_dependencies(after):
     return [tf.identity(t) for t in tensors]
 
 
 def _AddOptional(a, b):
+  """a + b where either may be None and sparse gradients stay sparse."""
   if a is None:
     return b
-  return a if b is None else a + b
+  if b is None:
+    return a
+  if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+    return tf.IndexedSlices(
+        tf.concat([a.values, b.values], 0),
+        tf.concat([a.indices, b.indices], 0), a.dense_shape)
+  return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def RecomputingCall(forward: Callable, backward: Callable,
