@@ -8,7 +8,8 @@ setuptools.setup(
     description='GPipe pipeline parallelism for TensorFlow 2 and Lingvo.',
     long_description=open('README.md').read(),
     long_description_content_type='text/markdown',
-    packages=['lingvo_gpipe'],
+    packages=['lingvo_gpipe', 'params'],
+    package_data={'params': ['data/*.txt']},
     python_requires='==3.11.*',
     install_requires=[
         'tensorflow==2.21.*',

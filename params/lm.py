@@ -1,0 +1,337 @@
+"""A character-level GPipe Transformer language model on Python's docstrings.
+
+The model is one `GPipeSequentialLayer` of cells (embedding, N causal
+Transformer layers, softmax) cut into K stages. The corpus ships in
+params/data/python_docstrings.txt (docstrings of Python 3.11 standard-library
+modules); the last 10% of it is held out for Lingvo's eval and decode jobs.
+
+    python tools/train.py --model=lm.GPipeCharLm --num_devices=4 \
+        --logdir=/tmp/lm
+"""
+
+import math
+import os
+
+from lingvo import compat as tf
+from lingvo import model_registry
+from lingvo.core import base_input_generator
+from lingvo.core import base_layer
+from lingvo.core import base_model
+from lingvo.core import base_model_params
+from lingvo.core import layers
+from lingvo.core import layers_with_attention
+from lingvo.core import metrics
+from lingvo.core import py_utils
+from lingvo.core import schedule
+import numpy as np
+
+from lingvo_gpipe import GPipeSequentialLayer
+
+CORPUS = os.path.join(os.path.dirname(__file__), 'data',
+                      'python_docstrings.txt')
+VOCAB_SIZE = 256  # Bytes.
+
+
+def ReadCorpus(path, split, dev_fraction):
+  """The bytes of one split of a text file.
+
+  Args:
+    path: The text file.
+    split: 'train' (the head) or 'dev' (the last `dev_fraction`).
+    dev_fraction: Held-out share of the file, in (0, 1).
+
+  Returns:
+    A uint8 numpy array.
+
+  Raises:
+    ValueError: for an unknown split or a fraction outside (0, 1).
+  """
+  if split not in ('train', 'dev'):
+    raise ValueError(f"split={split!r} must be 'train' or 'dev'.")
+  if not 0 < dev_fraction < 1:
+    raise ValueError(f'dev_fraction={dev_fraction} must be in (0, 1).')
+  with open(path, 'rb') as f:
+    data = np.frombuffer(f.read(), dtype=np.uint8)
+  cut = int(len(data) * (1 - dev_fraction))
+  return data[:cut] if split == 'train' else data[cut:]
+
+
+class CharLmInput(base_input_generator.BaseInputGenerator):
+  """Random windows of a byte corpus: ids, next-byte labels and paddings.
+
+  The window offsets of a step come from a stateless random function of
+  (window_seed, global step), so a run that restarts from a checkpoint sees
+  the very batches the uninterrupted run would have seen.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('corpus', CORPUS, 'Text file to model, read as bytes.')
+    p.Define('split', 'train', "'train' or 'dev' (the held-out tail).")
+    p.Define('dev_fraction', 0.1, 'Share of the corpus held out for dev.')
+    p.Define('seq_len', 64, 'Bytes per example.')
+    p.Define('window_seed', 1234, 'Seed of the window offsets.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self._text = ReadCorpus(p.corpus, p.split, p.dev_fraction)
+    if len(self._text) <= p.seq_len + 1:
+      raise ValueError(f'seq_len={p.seq_len} must be shorter than the '
+                       f'{p.split} split ({len(self._text)} bytes).')
+
+  def _InputBatch(self):
+    p = self.params
+    text = tf.constant(self._text.astype(np.int32))
+    step = tf.cast(py_utils.GetGlobalStep(), tf.int32)
+    offsets = tf.random.stateless_uniform(
+        [p.batch_size], seed=tf.stack([p.window_seed, step]),
+        maxval=len(self._text) - p.seq_len - 1, dtype=tf.int32)
+    positions = offsets[:, tf.newaxis] + tf.range(p.seq_len + 1)
+    windows = tf.gather(text, positions)
+    return py_utils.NestedMap(
+        ids=windows[:, :-1],
+        labels=windows[:, 1:],
+        paddings=tf.zeros([p.batch_size, p.seq_len], tf.float32))
+
+
+class CharEmbeddingCell(base_layer.BaseLayer):
+  """First cell: byte ids [T, B] -> scaled embeddings + positions [T, B, D]."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', VOCAB_SIZE, 'Number of distinct ids.')
+    p.Define('dim', 64, 'Model dimension.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.CreateChild(
+        'emb', layers.SimpleEmbeddingLayer.Params().Set(
+            vocab_size=p.vocab_size, embedding_dim=p.dim))
+    self.CreateChild('pos',
+                     layers.PositionalEmbeddingLayer.Params().Set(
+                         embedding_dim=p.dim))
+
+  def FProp(self, theta, ids, paddings):
+    """Embeds ids.
+
+    Args:
+      theta: This cell's variables.
+      ids: int32 [T, B].
+      paddings: float [T, B], 1 at padded positions.
+
+    Returns:
+      (vecs [T, B, D], paddings).
+    """
+    vecs = self.emb.EmbLookup(theta.emb, ids) * math.sqrt(self.params.dim)
+    vecs += self.pos.FProp(theta.pos, tf.shape(ids)[0])[:, tf.newaxis, :]
+    return vecs, paddings
+
+
+class CausalTransformerCell(base_layer.BaseLayer):
+  """A Transformer layer with masked (causal) self-attention."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 64, 'Model dimension.')
+    p.Define('num_heads', 4, 'Attention heads.')
+    p.Define('hidden_dim', 256, 'Feed-forward hidden dimension.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    tp = layers_with_attention.TransformerLayer.Params().Set(
+        source_dim=p.dim, mask_self_atten=True)
+    tp.tr_atten_tpl.num_attention_heads = p.num_heads
+    tp.tr_fflayer_tpl.hidden_dim = p.hidden_dim
+    self.CreateChild('transformer', tp)
+
+  def FProp(self, theta, vecs, paddings):
+    """Returns (vecs [T, B, D], paddings) after one Transformer layer."""
+    vecs, _ = self.transformer.FProp(theta.transformer, vecs, paddings)
+    return vecs, paddings
+
+
+class CharSoftmaxCell(base_layer.BaseLayer):
+  """Last cell: layer norm and projection to next-byte logits [T, B, V]."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', VOCAB_SIZE, 'Number of distinct ids.')
+    p.Define('dim', 64, 'Model dimension.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.CreateChild('ln', layers.LayerNorm.Params().Set(input_dim=p.dim))
+    self.CreateChild(
+        'proj', layers.FCLayer.Params().Set(
+            input_dim=p.dim, output_dim=p.vocab_size, activation='NONE'))
+
+  def FProp(self, theta, vecs, paddings):
+    """Returns (logits [T, B, V], paddings)."""
+    return self.proj.FProp(theta.proj, self.ln.FProp(theta.ln, vecs)), paddings
+
+
+def CharLmCells(num_layers, dim, num_heads, hidden_dim):
+  """The cells of the pipeline: embedding, Transformer layers, softmax."""
+  return ([CharEmbeddingCell.Params().Set(name='embedding', dim=dim)] + [
+      CausalTransformerCell.Params().Set(
+          name=f'layer{i}', dim=dim, num_heads=num_heads,
+          hidden_dim=hidden_dim) for i in range(num_layers)
+  ] + [CharSoftmaxCell.Params().Set(name='softmax', dim=dim)])
+
+
+class CharLmTask(base_model.BaseTask):
+  """Next-byte prediction with one pipelined stack of cells."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('stack', GPipeSequentialLayer.Params(),
+             'The pipeline: ids, paddings [T, B] -> logits [T, B, V].')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild('stack', self.params.stack)
+
+  def ComputePredictions(self, theta, input_batch):
+    ids = tf.transpose(input_batch.ids)
+    paddings = tf.transpose(input_batch.paddings)
+    logits, _ = self.stack.FProp(theta.stack, ids, paddings)
+    return py_utils.NestedMap(logits=logits)
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    """Per-byte cross entropy, accuracy and the pipeline's bubble fraction.
+
+    Args:
+      theta: The task's variables.
+      predictions: ComputePredictions' NestedMap.
+      input_batch: The input NestedMap.
+
+    Returns:
+      (metrics, per_example): Lingvo's {name: (value, weight)} and {}.
+    """
+    labels = tf.transpose(input_batch.labels)
+    weights = 1.0 - tf.transpose(input_batch.paddings)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=predictions.logits)
+    count = tf.reduce_sum(weights)
+    loss = tf.reduce_sum(xent * weights) / count
+    correct = tf.cast(
+        tf.equal(tf.argmax(predictions.logits, -1, output_type=tf.int32),
+                 labels), tf.float32)
+    accuracy = tf.reduce_sum(correct * weights) / count
+    batch_metrics = {
+        'loss': (loss, count),
+        'log_pplx': (loss, count),
+        'fraction_of_correct_next_step_preds': (accuracy, count),
+    }
+    if not self.do_eval:
+      bubble = self.stack.BubbleFraction(input_batch.ids.shape[0])
+      batch_metrics['bubble_fraction'] = (tf.constant(bubble), tf.constant(1.0))
+    return batch_metrics, {}
+
+  def Decode(self, input_batch):
+    """Greedy next-byte predictions of a held-out batch (teacher forced)."""
+    predictions = self.ComputePredictions(self.theta, input_batch)
+    return py_utils.NestedMap(
+        ids=input_batch.ids,
+        labels=input_batch.labels,
+        predicted=tf.transpose(
+            tf.argmax(predictions.logits, -1, output_type=tf.int32)))
+
+  def CreateDecoderMetrics(self):
+    return {
+        'fraction_of_correct_next_step_preds': metrics.AverageMetric(),
+        'num_samples_in_batch': metrics.AverageMetric(),
+    }
+
+  def PostProcessDecodeOut(self, decode_out_dict, decode_metrics_dict):
+    """Scores the predictions and returns (text, prediction) pairs."""
+    labels = decode_out_dict['labels']
+    predicted = decode_out_dict['predicted']
+    decode_metrics_dict['fraction_of_correct_next_step_preds'].Update(
+        float(np.mean(labels == predicted)), labels.size)
+    decode_metrics_dict['num_samples_in_batch'].Update(len(labels))
+    return [(bytes(t.astype(np.uint8)).decode('latin-1'),
+             bytes(p.astype(np.uint8)).decode('latin-1'))
+            for t, p in zip(labels, predicted)]
+
+
+@model_registry.RegisterSingleTaskModel
+class GPipeCharLm(base_model_params.SingleTaskModelParams):
+  """6 Transformer layers, dim 128, 4 stages, 8 micro-batches of 4 windows."""
+
+  NUM_LAYERS = 6
+  DIM = 128
+  NUM_HEADS = 4
+  HIDDEN_DIM = 512
+  SEQ_LEN = 64
+  BATCH_SIZE = 32
+  NUM_STAGES = 4
+  NUM_MICRO_BATCHES = 8
+  MAX_STEPS = 300
+  LEARNING_RATE = 3e-3
+  RANDOM_SEED = 1234  # Same initial weights in every run.
+
+  def Train(self):
+    return CharLmInput.Params().Set(
+        split='train', seq_len=self.SEQ_LEN, batch_size=self.BATCH_SIZE)
+
+  def Dev(self):
+    return CharLmInput.Params().Set(
+        split='dev', seq_len=self.SEQ_LEN, batch_size=self.BATCH_SIZE)
+
+  def Task(self):
+    p = CharLmTask.Params().Set(name='lm', random_seed=self.RANDOM_SEED)
+    p.stack = GPipeSequentialLayer.Params().Set(
+        name='stack',
+        cell_tpl=CharLmCells(self.NUM_LAYERS, self.DIM, self.NUM_HEADS,
+                             self.HIDDEN_DIM),
+        num_stages=self.NUM_STAGES,
+        num_micro_batches=self.NUM_MICRO_BATCHES,
+        partition='params',
+        batch_dim=1)
+    tp = p.train
+    tp.max_steps = self.MAX_STEPS
+    tp.learning_rate = self.LEARNING_RATE
+    tp.lr_schedule = schedule.LinearRampupCosineSchedule.Params().Set(
+        warmup_steps=self.MAX_STEPS // 10, total_steps=self.MAX_STEPS,
+        final_value=0.1)
+    tp.clip_gradient_norm_to_value = 1.0
+    tp.save_interval_steps = 50
+    tp.summary_interval_steps = 10
+    p.eval.samples_per_summary = 8 * self.BATCH_SIZE
+    p.eval.decoder_samples_per_summary = 2 * self.BATCH_SIZE
+    return p
+
+
+@model_registry.RegisterSingleTaskModel
+class GPipeCharLmTiny(GPipeCharLm):
+  """A seconds-per-run variant for tests: 2 layers of dim 16, 4 stages."""
+
+  NUM_LAYERS = 2
+  DIM = 16
+  NUM_HEADS = 2
+  HIDDEN_DIM = 32
+  SEQ_LEN = 16
+  BATCH_SIZE = 8
+  NUM_MICRO_BATCHES = 2
+  MAX_STEPS = 20
+  LEARNING_RATE = 1e-2
+
+  def Task(self):
+    p = super().Task()
+    p.train.save_interval_steps = 5
+    return p
