@@ -16,10 +16,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 from absl import app
 from absl import flags
 
-flags.DEFINE_string(
-    'json_out', None, 'If set, also write the numbers the subcommand '
-    'computed or measured (every row, event and setting) as JSON there.')
-
 Subcommand = Callable[[Sequence[str]], Optional[Dict[str, Any]]]
 
 
@@ -27,6 +23,18 @@ def Fail(prog: str, message: str) -> None:
   """Prints `prog: error: message` on one line and exits with status 2."""
   print(f'{prog}: error: {" ".join(str(message).split())}', file=sys.stderr)
   sys.exit(2)
+
+
+def FlagsParser(prog: str) -> Callable[[List[str]], List[str]]:
+  """An absl `flags_parser` that turns a bad flag into a one-line error."""
+
+  def ParseFlags(argv: List[str]) -> List[str]:
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      Fail(prog, e)
+
+  return ParseFlags
 
 
 def Run(prog: str, subcommands: Dict[str, Subcommand],
@@ -40,12 +48,9 @@ def Run(prog: str, subcommands: Dict[str, Subcommand],
     errors: Exception types that become one-line errors.
     example: An example command line for the unknown-subcommand error.
   """
-
-  def ParseFlags(argv: List[str]) -> List[str]:
-    try:
-      return flags.FLAGS(argv)
-    except flags.Error as e:
-      Fail(prog, e)
+  flags.DEFINE_string(
+      'json_out', None, 'If set, also write the numbers the subcommand '
+      'computed or measured (every row, event and setting) as JSON there.')
 
   def Main(argv: List[str]) -> None:
     public = sorted(name for name in subcommands if not name.startswith('_'))
@@ -62,4 +67,4 @@ def Run(prog: str, subcommands: Dict[str, Subcommand],
         json.dump(numbers, f, indent=2)
       print(f'Wrote {flags.FLAGS.json_out}')
 
-  app.run(Main, flags_parser=ParseFlags)
+  app.run(Main, flags_parser=FlagsParser(prog))
