@@ -1,124 +1,286 @@
-r"""Trains a small GPipe model on K local CPU devices (what `make train` runs).
+r"""Trains a registered GPipe model with Lingvo's runner on K local CPU devices.
 
-A stack of Lingvo FC cells learns a fixed random teacher network on
-synthetic data, pipelined over --num_devices stages and --num_micro_batches
-micro-batches, in Lingvo's TF1 graph mode. It prints progress and ends with
+Lingvo's own `python -m lingvo.trainer --run_locally=cpu` gives its worker one
+CPU device, so a pipeline has nowhere to put stage 2. This launcher runs the
+same RunnerManager with three changes:
+
+* the local TF server (graph mode) or the eager context has `--num_devices`
+  CPU devices, and the cluster's worker, evaler and decoder model split is
+  those K devices, so stage k of a `GPipeSequentialLayer` runs on CPU:k;
+* the default job is `trainer_client` with checkpoints written by the
+  trainer (`--checkpoint_in_trainer_cpu`): no controller, no 30 s start-up
+  wait;
+* progress goes to stdout as `step <n>  loss <l>  <x> examples/s` lines;
+  Lingvo's full log goes to <logdir>/train_log.txt.
+
+Every Lingvo trainer flag still works (`--use_eager`, `--job=evaler_dev`,
+`--job=decoder_dev`, `--model_params_override`, ...). Running the same
+command again continues from the last checkpoint in <logdir>/train.
+
+  python tools/train.py --model=lm.GPipeCharLm --num_devices=4 \
+      --logdir=/tmp/lm [--max_steps=300] [--use_eager]
+
+The last line of a training run is
 
   trained <model>: steps=<n> loss <first> -> <last>, <x> examples/s, \
 checkpoint <path>
-
-Usage:
-  python tools/train.py --num_devices=4 --max_steps=200 --logdir=/tmp/gpipe
 """
 
+import logging
 import os
-import time
+import re
+import sys
 
 from absl import app
 from absl import flags
-import numpy as np
+from lingvo import compat as tf
+from lingvo import model_registry
+from lingvo import runners
+from lingvo import trainer as lingvo_trainer
+from lingvo.core import hyperparams
+from lingvo.core import py_utils
 
-flags.DEFINE_integer('num_devices', 4, 'K: local CPU devices = pipeline '
-                     'stages.', lower_bound=1)
-flags.DEFINE_integer('num_micro_batches', 8, 'M: micro-batches per step.',
-                     lower_bound=1)
-flags.DEFINE_integer('num_layers', 8, 'FC cells in the pipeline.',
-                     lower_bound=1)
-flags.DEFINE_integer('dim', 64, 'Width of every cell.', lower_bound=1)
-flags.DEFINE_integer('batch_size', 64, 'Examples per step.', lower_bound=1)
-flags.DEFINE_integer('max_steps', 200, 'Training steps.', lower_bound=1)
-flags.DEFINE_float('learning_rate', 0.3, 'SGD learning rate.')
-flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'],
-                  'Re-materialization mode.')
-flags.DEFINE_string('logdir', '/tmp/lingvo_gpipe_train', 'Checkpoint folder.')
-flags.DEFINE_integer('log_every', 20, 'Print progress every this many steps.',
+import cli
+import params  # pylint: disable=unused-import  # Registers the models.
+
+flags.DEFINE_integer(
+    'num_devices', 4, 'K: local CPU devices, all in one model split; stage k '
+    'of a GPipeSequentialLayer runs on CPU:k.', lower_bound=1)
+flags.DEFINE_integer(
+    'max_steps', None, 'Train until this global step (overrides the '
+    "model's task.train.max_steps).", lower_bound=1)
+flags.DEFINE_integer('log_every', 10, 'Print progress every this many steps.',
                      lower_bound=1)
 
 FLAGS = flags.FLAGS
-MODEL_NAME = 'synthetic_fc_regression'
+PROG = 'train.py'
+FLAGS.set_default('run_locally', 'cpu')
+FLAGS.set_default('mode', 'sync')
+FLAGS.set_default('job', 'trainer_client')
+FLAGS.set_default('checkpoint_in_trainer_cpu', True)
+
+# What Lingvo's trainers (graph and eager) log after each step, and what its
+# evalers and decoders log after each checkpoint.
+_TRAIN_LOG = re.compile(r'^step:\s*(\d+), steps/sec: \S+, examples/sec: \S+ (.*)$')
+_EVAL_LOG = re.compile(r'^((?:eval|decoder)_\w+): step:\s*(\d+), (.*)$')
+_NOT_REPORTED = ('examples/sec', 'num_samples_in_batch', 'total_samples')
 
 
-def _BuildModel():
-  """Builds the pipelined model, its loss and its train op in the graph.
+class Progress(logging.Handler):
+  """Turns Lingvo's per-step log records into short progress lines.
 
-  Returns:
-    (loss, train_op, x, y): tensors and placeholders.
+  Attributes:
+    steps: (step, loss, examples in the step, time) of every training step.
+    results: {job: (step, {metric: value})} of every eval or decode job.
   """
-  # Imported here so that --help does not start TensorFlow.
-  from lingvo import compat as tf  # pylint: disable=g-import-not-at-top
-  from lingvo.core import layers  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+
+  def __init__(self, log_every):
+    super().__init__()
+    self._log_every = log_every
+    self.steps = []
+    self.results = {}
+
+  def ExamplesPerSecond(self):
+    """Examples/s over the run, without the first step (graph building)."""
+    if len(self.steps) < 2:
+      return float('nan')
+    examples = sum(n for _, _, n, _ in self.steps[1:])
+    return examples / (self.steps[-1][3] - self.steps[0][3])
+
+  def emit(self, record):
+    message = record.getMessage()
+    train = _TRAIN_LOG.match(message)
+    if train:
+      values = dict(re.findall(r'(\S+):(\S+)', train.group(2)))
+      step = int(train.group(1))
+      self.steps.append((step, float(values['loss']),
+                         float(values['num_samples_in_batch']),
+                         record.created))
+      if step % self._log_every == 0 or len(self.steps) == 1:
+        print(f'step {step:6d}  loss {self.steps[-1][1]:.4f}  '
+              f'{self.ExamplesPerSecond():9.1f} examples/s', flush=True)
+      return
+    evaluation = _EVAL_LOG.match(message)
+    if evaluation:
+      values = {k: float(v) for k, v in
+                re.findall(r'(\S+): ([^,\s]+)', evaluation.group(3))
+                if k not in _NOT_REPORTED}
+      self.results[evaluation.group(1)] = (int(evaluation.group(2)), values)
+
+
+class _UserWarnings(logging.Filter):
+  """Errors, and warnings from lingvo_gpipe or params/ (not TF's noise)."""
+
+  def filter(self, record):
+    return record.levelno >= logging.ERROR or any(
+        part in record.pathname for part in ('lingvo_gpipe', 'params'))
+
+
+class FinalCheckpointTrainer(runners.Trainer):
+  """Lingvo's graph-mode trainer that also checkpoints the step it stops at.
+
+  With --checkpoint_in_trainer_cpu Lingvo saves only every save_interval
+  steps, so the steps after the last interval would be lost to a restart.
+  """
+
+  def _ShouldStop(self, sess=None, step=None, check_early_stop=True):
+    stop = super()._ShouldStop(sess, step, check_early_stop)
+    if stop and sess is not None and FLAGS.checkpoint_in_trainer_cpu:
+      self._checkpointer.Save(sess, step, sync=True)
+    return stop
+
+
+class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
+  """Lingvo's RunnerManager with a K-device model split on this machine."""
+
+  @property
+  def Trainer(self):  # pylint: disable=invalid-name
+    return super().Trainer if FLAGS.use_eager else FinalCheckpointTrainer
+
+  def MaybeConfigRunLocally(self):
+    super().MaybeConfigRunLocally()
+    if FLAGS.use_eager:
+      return
+    # One server for training and one for eval/decode jobs that run beside
+    # it (Lingvo gives those independent sessions), both with K devices.
+    config = tf.compat.v1.ConfigProto(device_count={'CPU': FLAGS.num_devices})
+    self._servers = [
+        tf.distribute.Server.create_local_server(config=config)
+        for _ in range(2)
+    ]
+    FLAGS.tf_master = self._servers[0].target
+
+  def UpdateClusterParamsFromFlags(self, cluster, job_name):
+    super().UpdateClusterParamsFromFlags(cluster, job_name)
+    for job in (cluster.controller, cluster.worker, cluster.ps, cluster.evaler,
+                cluster.decoder):
+      job.cpus_per_replica = FLAGS.num_devices
+      job.devices_per_split = FLAGS.num_devices
+
+  def GetParamsForDataset(self, job_name, dataset_name):
+    cfg = super().GetParamsForDataset(job_name, dataset_name)
+    if FLAGS.max_steps is not None:
+      cfg.train.max_steps = FLAGS.max_steps
+      cfg.task.train.max_steps = FLAGS.max_steps
+    return cfg
+
+  def _CreateRunner(self, job, model_task_name, logdir, tf_master, trial):
+    if not tf_master and not FLAGS.use_eager:
+      tf_master = self._servers[1].target
+    return super()._CreateRunner(job, model_task_name, logdir, tf_master,
+                                 trial)
+
+
+def CheckStagesFitDevices(task_params, num_devices):
+  """Raises ValueError if a pipeline in the task has more stages than devices.
+
+  Args:
+    task_params: A Lingvo task's Params.
+    num_devices: --num_devices.
+
+  Raises:
+    ValueError: naming the pipeline, its num_stages and --num_devices.
+  """
   from lingvo_gpipe import GPipeSequentialLayer  # pylint: disable=g-import-not-at-top
 
-  global_step = py_utils.GetOrCreateGlobalStepVar()
-  cells = [
-      layers.FCLayer.Params().Set(
-          name=f'fc{i}', input_dim=FLAGS.dim, output_dim=FLAGS.dim,
-          activation='TANH') for i in range(FLAGS.num_layers)
-  ]
-  p = GPipeSequentialLayer.Params().Set(
-      name='pipe',
-      cell_tpl=cells,
-      num_stages=FLAGS.num_devices,
-      num_micro_batches=FLAGS.num_micro_batches,
-      remat=FLAGS.remat,
-      devices=[f'/device:CPU:{k}' for k in range(FLAGS.num_devices)])
-  pipe = p.Instantiate()
-  x = tf.compat.v1.placeholder(tf.float32, [FLAGS.batch_size, FLAGS.dim])
-  y = tf.compat.v1.placeholder(tf.float32, [FLAGS.batch_size, FLAGS.dim])
-  loss = tf.reduce_mean(tf.square(pipe.FProp(pipe.theta, x) - y))
-  variables = pipe.vars.Flatten()
-  grads = tf.compat.v1.gradients(loss, variables)
-  updates = [v.assign_sub(FLAGS.learning_rate * g)
-             for v, g in zip(variables, grads)]
-  with tf.control_dependencies(updates):
-    train_op = global_step.assign_add(1)
-  return loss, train_op, x, y
+  def Visit(path, p):
+    if isinstance(p, (list, tuple)):
+      for i, item in enumerate(p):
+        Visit(f'{path}[{i}]', item)
+    if not isinstance(p, hyperparams.Params):
+      return
+    if (getattr(p, 'cls', None) is GPipeSequentialLayer and
+        p.num_stages > num_devices):
+      raise ValueError(
+          f'{path}.num_stages={p.num_stages} needs --num_devices >= '
+          f'{p.num_stages}; got --num_devices={num_devices}. Pass '
+          f'--num_devices={p.num_stages} or --model_params_override='
+          f"'{path}.num_stages: {num_devices}'.")
+    for name, value in p.IterParams():
+      Visit(f'{path}.{name}', value)
+
+  Visit('task', task_params)
+
+
+def _CheckModel(name, num_devices):
+  """Fails with one line unless `name` is a model that fits the devices."""
+  try:
+    model_registry.GetClass(name)
+  except LookupError:
+    known = sorted(model_registry.GetAllRegisteredClasses())
+    cli.Fail(
+        PROG, f'--model={name!r} is not a registered model; registered: '
+        f'{", ".join(k for k in known if not k.startswith("test."))}.')
+  try:
+    CheckStagesFitDevices(model_registry.GetParams(name, 'Train').task,
+                          num_devices)
+  except ValueError as e:
+    cli.Fail(PROG, e)
+
+
+def _RouteLogs(logdir):
+  """Sends TF/Lingvo logs to <logdir>/train_log.txt and progress to stdout.
+
+  Args:
+    logdir: --logdir.
+
+  Returns:
+    The Progress handler.
+  """
+  os.makedirs(logdir, exist_ok=True)
+  log_file = logging.FileHandler(os.path.join(logdir, 'train_log.txt'))
+  log_file.setFormatter(logging.Formatter('%(asctime)s %(message)s'))
+  warnings = logging.StreamHandler(sys.stderr)
+  warnings.setLevel(logging.WARNING)
+  warnings.addFilter(_UserWarnings())
+  progress = Progress(FLAGS.log_every)
+  for name in ('absl', 'tensorflow'):  # Lingvo logs through absl.
+    logger = logging.getLogger(name)
+    logger.propagate = False
+    logger.handlers[:] = [log_file, warnings, progress]
+  return progress
+
+
+def _Report(progress):
+  """Prints one line per finished job (see the module docstring)."""
+  for job, (step, values) in sorted(progress.results.items()):
+    metrics = ', '.join(f'{k} {v:.4f}' for k, v in sorted(values.items()))
+    print(f'{job} {FLAGS.model} at step {step}: {metrics}')
+  if not any(job.startswith('trainer') for job in FLAGS.job.split(',')):
+    return
+  checkpoint = tf.train.latest_checkpoint(os.path.join(FLAGS.logdir, 'train'))
+  if not progress.steps:
+    print(f'trained {FLAGS.model}: nothing to do, checkpoint {checkpoint} is '
+          'at or past max_steps')
+    return
+  first, last = progress.steps[0], progress.steps[-1]
+  print(f'trained {FLAGS.model}: steps={last[0]} loss {first[1]:.4f} -> '
+        f'{last[1]:.4f}, {progress.ExamplesPerSecond():.1f} examples/s, '
+        f'checkpoint {checkpoint}')
+
+
+def _CreateLocalEagerDevices(num_devices):
+  """Splits the CPU into K logical devices (before TF initializes)."""
+  cpu = tf.config.list_physical_devices('CPU')[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if FLAGS.batch_size % FLAGS.num_micro_batches:
-    raise app.UsageError(
-        f'--num_micro_batches={FLAGS.num_micro_batches} must divide '
-        f'--batch_size={FLAGS.batch_size}.')
-  if FLAGS.num_devices > FLAGS.num_layers:
-    raise app.UsageError(f'--num_devices={FLAGS.num_devices} must be at most '
-                         f'--num_layers={FLAGS.num_layers}.')
-  from lingvo import compat as tf  # pylint: disable=g-import-not-at-top
-
-  rng = np.random.RandomState(0)
-  teacher = [rng.randn(FLAGS.dim, FLAGS.dim) / np.sqrt(FLAGS.dim)
-             for _ in range(2)]
-
-  def Batch():
-    x = rng.randn(FLAGS.batch_size, FLAGS.dim).astype(np.float32)
-    return x, np.tanh(np.tanh(x @ teacher[0]) @ teacher[1]).astype(np.float32)
-
-  with tf.Graph().as_default():
-    loss, train_op, x, y = _BuildModel()
-    saver = tf.compat.v1.train.Saver()
-    config = tf.compat.v1.ConfigProto(
-        device_count={'CPU': FLAGS.num_devices})
-    os.makedirs(FLAGS.logdir, exist_ok=True)
-    with tf.compat.v1.Session(config=config) as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      losses, start = [], time.time()
-      for step in range(1, FLAGS.max_steps + 1):
-        xs, ys = Batch()
-        value, _ = sess.run([loss, train_op], {x: xs, y: ys})
-        losses.append(value)
-        if step % FLAGS.log_every == 0 or step == FLAGS.max_steps:
-          rate = step * FLAGS.batch_size / (time.time() - start)
-          print(f'step {step:5d}  loss {value:.5f}  {rate:8.1f} examples/s',
-                flush=True)
-      rate = FLAGS.max_steps * FLAGS.batch_size / (time.time() - start)
-      path = saver.save(sess, os.path.join(FLAGS.logdir, 'ckpt'),
-                        global_step=FLAGS.max_steps)
-  print(f'trained {MODEL_NAME}: steps={FLAGS.max_steps} loss {losses[0]:.4f} '
-        f'-> {losses[-1]:.4f}, {rate:.1f} examples/s, checkpoint {path}')
+    cli.Fail(PROG, f'unexpected arguments {argv[1:]}; every setting is a flag.')
+  if not FLAGS.model:
+    cli.Fail(PROG, '--model is required, e.g. --model=lm.GPipeCharLm.')
+  if not FLAGS.logdir:
+    cli.Fail(PROG, '--logdir is required, e.g. --logdir=/tmp/lm.')
+  progress = _RouteLogs(FLAGS.logdir)
+  _CheckModel(FLAGS.model, FLAGS.num_devices)
+  py_utils.SetEagerMode(FLAGS.use_eager)
+  if FLAGS.use_eager:
+    _CreateLocalEagerDevices(FLAGS.num_devices)
+  LocalDevicesRunnerManager(FLAGS.model).Start()
+  _Report(progress)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.FlagsParser(PROG))

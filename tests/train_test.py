@@ -1,0 +1,242 @@
+"""tools/train.py: Lingvo's runner trains the registered LM on 4 local devices.
+
+The launcher runs as a subprocess like a user would (graph and eager mode,
+eval and decode jobs, a run killed and restarted, bad input); placement is
+checked in-process on the launcher's own cluster and server.
+"""
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+from lingvo import compat as tf
+from lingvo.core import cluster_factory
+
+import test_util
+
+sys.path.insert(0, os.path.join(test_util.ROOT, 'tools'))
+import train  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+MODEL = 'lm.GPipeCharLmTiny'
+STEPS = 20
+# Deterministic initial weights, so two runs can be compared.
+COMMON = [f'--model={MODEL}', '--num_devices=4', '--stateless_vars_init',
+          '--log_every=1']
+RUNS = {
+    'graph': COMMON + ['--logdir={tmp}/graph', f'--max_steps={STEPS}'],
+    'eager': COMMON + ['--logdir={tmp}/eager', '--max_steps=6', '--use_eager'],
+    'bad_model': ['--model=lm.NoSuchModel', '--logdir={tmp}/bad'],
+    'bad_value': [f'--model={MODEL}', '--num_devices=0', '--logdir={tmp}/bad'],
+    'too_few_devices': [f'--model={MODEL}', '--num_devices=2',
+                        '--logdir={tmp}/bad'],
+}
+AFTER = {
+    'restarted': COMMON + ['--logdir={tmp}/killed', f'--max_steps={STEPS}'],
+    'eval': COMMON + ['--logdir={tmp}/graph', '--job=evaler_dev'],
+    'decode': COMMON + ['--logdir={tmp}/graph', '--job=decoder_dev'],
+}
+_TRAINED = re.compile(
+    r'^trained (\S+): steps=(\d+) loss ([\d.]+) -> ([\d.]+), ([\d.]+) '
+    r'examples/s, checkpoint (\S+)$', re.MULTILINE)
+
+
+def _Checkpoint(logdir):
+  return tf.train.latest_checkpoint(os.path.join(logdir, 'train'))
+
+
+def _KillAfterFirstCheckpoint(tmp):
+  """Starts a long run in {tmp}/killed and SIGKILLs it after a checkpoint.
+
+  Args:
+    tmp: The scratch folder.
+
+  Returns:
+    A thread to join; afterwards {tmp}/killed holds the checkpoints written.
+  """
+  args = [a.format(tmp=tmp) for a in COMMON] + [
+      f'--logdir={tmp}/killed', '--max_steps=100000']
+  env = dict(os.environ, PYTHONPATH=test_util.ROOT)
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join('tools', 'train.py')] + args,
+      cwd=test_util.ROOT, env=env, stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+
+  def Watch():
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+      ckpt = _Checkpoint(f'{tmp}/killed')
+      if ckpt and int(ckpt.rsplit('-', 1)[1]) > 1:
+        break
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+  thread = threading.Thread(target=Watch)
+  thread.start()
+  return thread
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  tmp = str(tmp_path_factory.mktemp('train'))
+  watcher = _KillAfterFirstCheckpoint(tmp)
+  results = test_util.RunToolInParallel('train.py', RUNS, tmp, timeout=600)
+  watcher.join()
+  results['killed_at'] = _Checkpoint(f'{tmp}/killed')
+  results.update(
+      test_util.RunToolInParallel('train.py', AFTER, tmp, timeout=600))
+  return results
+
+
+def _Trained(runs, name):
+  code, stdout, stderr = runs[name]
+  assert code == 0, stderr[-3000:]
+  (match,) = _TRAINED.findall(stdout)
+  return match
+
+
+def _ProgressSteps(stdout):
+  return [int(s) for s in re.findall(r'^step +(\d+) +loss', stdout, re.M)]
+
+
+@pytest.mark.parametrize('name,steps', [('graph', STEPS), ('eager', 6)])
+def testTrainsAndLossDecreases(runs, name, steps):
+  model, last_step, first, last, rate, ckpt = _Trained(runs, name)
+  assert (model, int(last_step)) == (MODEL, steps)
+  assert float(last) < float(first) - 0.5  # Starts near log(256) = 5.5.
+  assert float(rate) > 0
+  assert ckpt.endswith(f'ckpt-{steps:08d}') and os.path.exists(ckpt + '.index')
+  assert _ProgressSteps(runs[name][1]) == list(range(1, steps + 1))
+
+
+def testGraphAndEagerModesAgree(runs):
+  """Same initial weights and batches: the same first loss in both modes."""
+  graph_first = _Trained(runs, 'graph')[2]
+  eager_first = _Trained(runs, 'eager')[2]
+  assert abs(float(graph_first) - float(eager_first)) < 1e-3
+
+
+def testKilledRunResumesWithIdenticalVariables(runs):
+  killed_at = runs['killed_at']
+  assert killed_at, 'the killed run wrote no checkpoint'
+  saved_step = int(killed_at.rsplit('-', 1)[1])
+  assert 1 < saved_step < STEPS
+  _, stdout, _ = runs['restarted']
+  assert _ProgressSteps(stdout)[0] == saved_step + 1
+  # Killed-and-restarted and uninterrupted runs end with the same variables.
+  restarted = tf.train.load_checkpoint(_Trained(runs, 'restarted')[5])
+  uninterrupted = tf.train.load_checkpoint(_Trained(runs, 'graph')[5])
+  names = restarted.get_variable_to_shape_map()
+  assert set(names) == set(uninterrupted.get_variable_to_shape_map())
+  assert len(names) > 50  # Weights, Adam slots, global step.
+  for name in names:
+    test_util.AssertTransparent([restarted.get_tensor(name)],
+                                [uninterrupted.get_tensor(name)], tol=1e-6)
+
+
+def testEvalAndDecodeOnHeldOutText(runs):
+  for job, prefix in (('eval', 'eval_dev'), ('decode', 'decoder_dev')):
+    code, stdout, stderr = runs[job]
+    assert code == 0, stderr[-3000:]
+    (line,) = re.findall(rf'^{prefix} {MODEL} at step {STEPS}: (.*)$', stdout,
+                         re.MULTILINE)
+    values = dict(re.findall(r'(\S+) ([\d.]+)', line))
+    # Better than chance (1/256) after 20 steps; perplexity below uniform.
+    assert float(values['fraction_of_correct_next_step_preds']) > 0.05
+    if job == 'eval':
+      assert 2.0 < float(values['log_pplx']) < np.log(256)
+
+
+@pytest.mark.parametrize('name,message', [
+    ('bad_model', "--model='lm.NoSuchModel' is not a registered model; "
+                  'registered: lm.GPipeCharLm, lm.GPipeCharLmTiny'),
+    ('bad_value', 'flag --num_devices=0: 0 is not a positive integer'),
+    ('too_few_devices', 'task.stack.num_stages=4 needs --num_devices >= 4; '
+                        'got --num_devices=2'),
+])
+def testBadInputIsOneLine(runs, name, message):
+  code, stdout, stderr = runs[name]
+  assert code == 2
+  errors = [l for l in stderr.splitlines() if l.startswith('train.py: error')]
+  assert len(errors) == 1 and message in errors[0], stderr[-2000:]
+  assert 'Traceback' not in stderr and 'trained' not in stdout
+
+
+def _TraceOneLauncherStep(logdir):
+  """One training step built like the launcher's trainer, with step stats.
+
+  Args:
+    logdir: --logdir.
+
+  Returns:
+    (RunMetadata, the LM task).
+  """
+  with flagsaver.flagsaver(model=MODEL, logdir=logdir):
+    manager = train.LocalDevicesRunnerManager(MODEL)
+    manager.MaybeConfigRunLocally()
+    cfg = manager.GetParamsForDataset('trainer_client', 'Train')
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(
+        flagsaver.flags.FLAGS.tf_master) as sess:
+      cluster = cluster_factory.Cluster(cfg.cluster)
+      cluster.InitDevices(sess)
+      with cluster, tf.device(cluster.GetPlacer()):
+        model = cfg.Instantiate()
+        model.ConstructFPropBPropGraph()
+      sess.run(tf.compat.v1.global_variables_initializer())
+      metadata = tf.compat.v1.RunMetadata()
+      sess.run(model.GetTask().train_op,
+               options=tf.compat.v1.RunOptions(
+                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+               run_metadata=metadata)
+  return metadata, model.GetTask()
+
+
+# Kernels by the cell they belong to. Inside the stage functions node names
+# lose the cell's scope, so cells are told apart by their layers' names.
+_CELL_KERNELS = {
+    'embedding': r'^GatherV2$',
+    'attention': r'(^|/)self_atten/.*MatMul',
+    'feedforward': r'(^|/)fflayer/.*MatMul',
+    'softmax': r'(^|/)proj/MatMul',
+}
+
+# Ops that move a tensor to the device that consumes it.
+_TRANSFER_OPS = ('_Send', '_Recv', '_HostSend', '_HostRecv', 'Identity',
+                 'NoOp')
+
+
+def testStageKRunsOnDeviceK(tmp_path):
+  """On the launcher's cluster and 4-device server, stage k ran on CPU:k.
+
+  Tiny LM cells: [embedding, layer0, layer1, softmax], one per stage.
+  """
+  metadata, task = _TraceOneLauncherStep(str(tmp_path))
+  assert task.stack.partition == [1, 1, 1, 1]
+  kinds = collections.defaultdict(set)
+  stage_calls = collections.defaultdict(set)
+  for dev in metadata.step_stats.dev_stats:
+    device = int(re.search(r'CPU:(\d+)$', dev.device).group(1))
+    for node in dev.node_stats:
+      for kind, pattern in _CELL_KERNELS.items():
+        if re.search(pattern, node.node_name):
+          grad = '-grad' if node.node_name.startswith('gradients/') else ''
+          kinds[device].add(kind + grad)
+      call = re.search(r'/stage(\d)_\d+/StatefulPartitionedCall/',
+                       node.node_name)
+      op_type = re.search(r'= (\w+)\(', node.timeline_label)
+      if call and op_type and op_type.group(1) not in _TRANSFER_OPS:
+        stage_calls[int(call.group(1))].add(device)
+  transformer = {'attention', 'attention-grad', 'feedforward',
+                 'feedforward-grad'}
+  assert dict(kinds) == {0: {'embedding'}, 1: transformer, 2: transformer,
+                         3: {'softmax', 'softmax-grad'}}
+  assert dict(stage_calls) == {k: {k} for k in range(4)}
