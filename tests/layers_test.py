@@ -6,6 +6,7 @@ from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 
+from params import lm
 import test_util
 
 RNG = np.random.RandomState(0)
@@ -53,6 +54,20 @@ def testTransformerTransparentBatchDim1(k, m):
   pipe, ref, _ = test_util.RunGraph(p, test_util.TransformerCells, inputs)
   test_util.AssertTransparent(pipe, ref)
   pipe, ref = test_util.RunFunction(p, test_util.TransformerCells, inputs)
+  test_util.AssertTransparent(pipe, ref)
+
+
+@pytest.mark.parametrize('remat', ['always', 'never'])
+def testEmbeddingGradientsAreSparseAndExact(remat):
+  """An embedding cell's gradient (IndexedSlices) sums over micro-batches."""
+
+  def Cells():
+    return lm.CharLmCells(num_layers=1, dim=8, num_heads=2, hidden_dim=8)
+
+  ids = RNG.randint(0, lm.VOCAB_SIZE, size=[5, 8]).astype(np.int32)
+  p = test_util.PipeParams(Cells(), num_stages=3, num_micro_batches=4,
+                           batch_dim=1, remat=remat)
+  pipe, ref, _ = test_util.RunGraph(p, Cells, [ids, TR_PADDINGS])
   test_util.AssertTransparent(pipe, ref)
 
 

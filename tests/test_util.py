@@ -156,7 +156,8 @@ def RunGraph(pipe_params, cell_fn, inputs, fetch_extra=None):
     y_ref = ref.FProp(pipe.theta, *xs)
     fetches = []
     for out in (y, y_ref):
-      fetches.append(_Outputs(out) + tf.gradients(_Loss(out), _Wrt(pipe, xs)))
+      grads = tf.gradients(_Loss(out), _Wrt(pipe, xs))
+      fetches.append(_Outputs(out) + [tf.convert_to_tensor(g) for g in grads])
     extra = fetch_extra(graph, pipe) if fetch_extra else []
     with tf.compat.v1.Session(graph=graph, config=SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
