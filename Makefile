@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINGVO := lingvo==0.14.2
+LOGDIR ?= /tmp/lingvo_gpipe/lm
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
@@ -22,8 +23,11 @@ $(STAMP): requirements.txt setup.py tools/lingvo_compat.py
 	$(PY) tools/lingvo_compat.py --venv $(VENV)
 	@touch $@
 
+# The LM on 4 local CPU devices through Lingvo's runner, with Lingvo's evaler
+# on held-out text beside it. Run it again to continue from the checkpoint.
 train: $(STAMP)
-	$(PY) tools/train.py
+	$(PY) tools/train.py --model=lm.GPipeCharLm --num_devices=4 \
+	    --job=trainer_client,evaler_dev --logdir=$(LOGDIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
