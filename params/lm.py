@@ -271,16 +271,16 @@ class CharLmTask(base_model.BaseTask):
 
 @model_registry.RegisterSingleTaskModel
 class GPipeCharLm(base_model_params.SingleTaskModelParams):
-  """6 Transformer layers, dim 128, 4 stages, 8 micro-batches of 4 windows."""
+  """4 Transformer layers, dim 64, 4 stages, 4 micro-batches of 8 windows."""
 
-  NUM_LAYERS = 6
-  DIM = 128
+  NUM_LAYERS = 4
+  DIM = 64
   NUM_HEADS = 4
-  HIDDEN_DIM = 512
+  HIDDEN_DIM = 256
   SEQ_LEN = 64
   BATCH_SIZE = 32
   NUM_STAGES = 4
-  NUM_MICRO_BATCHES = 8
+  NUM_MICRO_BATCHES = 4
   MAX_STEPS = 300
   LEARNING_RATE = 3e-3
   RANDOM_SEED = 1234  # Same initial weights in every run.
