@@ -210,6 +210,12 @@ def testTimelineOfARealStep(runs):
   assert 0 < numbers['bubble_fraction'] < 1
   assert numbers['devices'] == {'0': [_Cpu(0)], '1': [_Cpu(1)]}
   assert len(numbers['events']) == num_stages * num_micro * 3
+  # The simulator replays the measured mean call times, one device per stage.
+  assert 0 < numbers['simulated_step_time']
+  assert 0 < numbers['simulated_bubble_fraction'] < 1
+  assert re.search(r'^simulated from the mean call times: step [\d.]+ \w+, '
+                   r'bubble fraction [\d.]+; measured / simulated step: '
+                   r'[\d.]+$', stdout, re.MULTILINE)
 
 
 def _Cpu(k):
