@@ -117,6 +117,22 @@ def testTrainsAndLossDecreases(runs, name, steps):
   assert _ProgressSteps(runs[name][1]) == list(range(1, steps + 1))
 
 
+def testTensorBoardSummaries(runs):
+  """Loss, learning rate, examples/s and the bubble fraction, every step."""
+  (events,) = [os.path.join(runs['tmp'], 'graph', 'train', f)
+               for f in os.listdir(os.path.join(runs['tmp'], 'graph', 'train'))
+               if f.startswith('events.')]
+  values = collections.defaultdict(dict)
+  for event in tf.compat.v1.train.summary_iterator(events):
+    for value in event.summary.value:
+      values[value.tag][event.step] = value.simple_value
+  for tag in ('loss', 'learning_rate/loss', 'examples/sec', 'bubble_fraction'):
+    assert sorted(values[tag]) == list(range(1, STEPS + 1)), tag
+  # Tiny LM: K = 4 stages, M = 2 micro-batches: (K - 1) / (M + K - 1).
+  assert list(values['bubble_fraction'].values()) == [pytest.approx(3 / 5)
+                                                     ] * STEPS
+
+
 def testGraphAndEagerModesAgree(runs):
   """Same initial weights and batches: the same first loss in both modes."""
   graph_first = _Trained(runs, 'graph')[2]
