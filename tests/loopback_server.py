@@ -71,8 +71,8 @@ class LoopbackCluster:
     return f'grpc://{self.addresses[0]}'
 
   def Device(self, task: int) -> str:
-    """The CPU device of `task`."""
-    return f'/job:{JOB}/task:{task}/device:CPU:0'
+    """The CPU device of `task`, named in full as TensorFlow reports it."""
+    return f'/job:{JOB}/replica:0/task:{task}/device:CPU:0'
 
   def _Launch(self, task: int) -> None:
     self._processes[task] = subprocess.Popen(

@@ -46,30 +46,6 @@ def _TracedStep(remat, num_micro_batches=2):
   return graph, metadata.step_stats
 
 
-def _KernelRuns(step_stats):
-  """{(cell, device, is_gradient): runs} of FC kernels.
-
-  The forward marker is fc<k>/Relu (Grappler fuses the forward matmul with the
-  bias add), the gradient marker the weight gradient's matmul.
-
-  Args:
-    step_stats: RunMetadata step stats.
-
-  Returns:
-    A Counter.
-  """
-  runs = collections.Counter()
-  for dev in step_stats.dev_stats:
-    device = int(re.search(r'CPU:(\d+)$', dev.device).group(1))
-    for node in dev.node_stats:
-      match = re.search(r'fc(\d)/(Relu$|MatMul_grad/MatMul_1$)',
-                        node.node_name)
-      if match:
-        runs[(int(match.group(1)), device,
-              'gradients/' in node.node_name)] += 1
-  return runs
-
-
 def testStageCallsArePlacedOnTheirDevices():
   graph, _ = _TracedStep('always')
   devices = collections.defaultdict(set)
@@ -84,12 +60,11 @@ def testStageCallsArePlacedOnTheirDevices():
 def testKernelsRunOnTheStageDevice(remat, forward_runs):
   """Cell k's kernels ran on CPU:k; with remat each forward ran twice."""
   _, step_stats = _TracedStep(remat)
-  runs = _KernelRuns(step_stats)
   expected = {}
-  for k in range(4):
-    expected[(k, k, False)] = forward_runs  # M forwards (+ M recomputes).
-    expected[(k, k, True)] = 2  # One weight gradient per micro-batch.
-  assert dict(runs) == expected
+  for k, device in enumerate(test_util.CPUS):
+    expected[(k, device, False)] = forward_runs  # M forwards (+ M recomputes).
+    expected[(k, device, True)] = 2  # One weight gradient per micro-batch.
+  assert dict(test_util.FCKernelRuns(step_stats)) == expected
 
 
 def testResolution():

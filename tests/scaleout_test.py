@@ -226,28 +226,6 @@ def _TrainGraph(devices):
         train=train, saver=tf.compat.v1.train.Saver())
 
 
-def _CellTasks(step_stats):
-  """{(cell, is_gradient): tasks} of the FC kernels that ran.
-
-  Forward marker fc<i>/Relu, gradient marker the weight gradient's matmul.
-
-  Args:
-    step_stats: RunMetadata step stats.
-
-  Returns:
-    A dict of sets of task ids.
-  """
-  tasks = collections.defaultdict(set)
-  for device in step_stats.dev_stats:
-    task = int(re.search(r'/task:(\d+)/', device.device).group(1))
-    for node in device.node_stats:
-      match = re.search(r'fc(\d)/(Relu$|MatMul_grad/MatMul_1$)',
-                        node.node_name)
-      if match:
-        tasks[(int(match.group(1)), 'gradients/' in node.node_name)].add(task)
-  return dict(tasks)
-
-
 def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path):
   """Stage k on task k; loss, gradients and update equal a local plain run."""
   path = str(tmp_path / 'init')
@@ -261,9 +239,12 @@ def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path):
                           trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
                       run_metadata=metadata)
     actual += sess.run(piped.train)
-  assert _CellTasks(metadata.step_stats) == {
-      (cell, is_gradient): {cell // 2}
-      for cell in range(4) for is_gradient in (False, True)}
+  expected_runs = {}
+  for cell in range(4):
+    device = servers.Device(cell // 2)
+    expected_runs[(cell, device, False)] = 4  # 2 forwards, 2 recomputes.
+    expected_runs[(cell, device, True)] = 2  # 2 weight gradients.
+  assert dict(test_util.FCKernelRuns(metadata.step_stats)) == expected_runs
 
   plain = _TrainGraph(None)
   with tf.compat.v1.Session(graph=plain.graph) as sess:

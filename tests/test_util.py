@@ -1,6 +1,8 @@
 """Helpers shared by the tests: cell stacks, references and runners."""
 
+import collections
 import os
+import re
 import subprocess
 import sys
 
@@ -88,6 +90,30 @@ def FCCells(num_cells=4, dim=8):
       layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=dim, output_dim=dim)
       for i in range(num_cells)
   ]
+
+
+def FCKernelRuns(step_stats):
+  """{(cell, device, is_gradient): runs} of the kernels of FCCells.
+
+  The forward marker is fc<i>/Relu (Grappler fuses the forward matmul with the
+  bias add), the gradient marker the weight gradient's matmul.
+
+  Args:
+    step_stats: RunMetadata step stats.
+
+  Returns:
+    A Counter keyed by cell index, full device name and whether the kernel is
+    a gradient.
+  """
+  runs = collections.Counter()
+  for dev in step_stats.dev_stats:
+    for node in dev.node_stats:
+      match = re.search(r'fc(\d)/(Relu$|MatMul_grad/MatMul_1$)',
+                        node.node_name)
+      if match:
+        runs[(int(match.group(1)), dev.device,
+              'gradients/' in node.node_name)] += 1
+  return runs
 
 
 def ConvCells(num_cells=4, channels=3):
