@@ -272,6 +272,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
   def StageDevices(self):
     """The device of every stage (see `placement.StageDevices`)."""
     num_stages = self.num_stages
+    if self.params.devices is None and py_utils.use_tpu():
+      # Each replica's logical core k, whatever host devices Lingvo's (eager)
+      # TPU cluster lists; in graph mode its model split says the same.
+      return placement.TpuStageDevices(num_stages)
     model_split = None
     if self.cluster.num_devices_per_split == num_stages:
       model_split = [

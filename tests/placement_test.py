@@ -3,6 +3,7 @@
 import collections
 import re
 
+from absl.testing import flagsaver
 import numpy as np
 import pytest
 from lingvo import compat as tf
@@ -198,3 +199,10 @@ def testStageOpsArePlacedOnTpuCores(num_stages, lingvo_cluster):
   assert dict(devices) == {
       (k, is_gradient): {f'/device:TPU_REPLICATED_CORE:{k}'}
       for k in range(num_stages) for is_gradient in (False, True)}
+
+
+def testLayerOnTpuUsesLogicalCores():
+  """Under Lingvo's TPU flag, devices=None means the replica's cores."""
+  with flagsaver.flagsaver(xla_device='tpu', enable_asserts=False):
+    pipe = test_util.PipeParams(test_util.FCCells(), num_stages=4).Instantiate()
+    assert pipe.StageDevices() == placement.TpuStageDevices(4)
