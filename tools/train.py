@@ -130,8 +130,20 @@ class FinalCheckpointTrainer(runners.Trainer):
     return stop
 
 
+def _OnLocalCpus():
+  """Whether this run is local on CPU (else Lingvo's cluster flags rule)."""
+  return FLAGS.run_locally == 'cpu'
+
+
 class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
-  """Lingvo's RunnerManager with a K-device model split on this machine."""
+  """Lingvo's RunnerManager with a K-device model split on this machine.
+
+  With --run_locally other than 'cpu' (e.g. --tpu=...) it is Lingvo's own.
+  """
+
+  def __init__(self, model):
+    super().__init__(model)
+    self._servers = []
 
   @property
   def Trainer(self):  # pylint: disable=invalid-name
@@ -139,7 +151,7 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
 
   def MaybeConfigRunLocally(self):
     super().MaybeConfigRunLocally()
-    if FLAGS.use_eager:
+    if FLAGS.use_eager or not _OnLocalCpus():
       return
     # One server for training and one for eval/decode jobs that run beside
     # it (Lingvo gives those independent sessions), both with K devices.
@@ -152,6 +164,8 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
 
   def UpdateClusterParamsFromFlags(self, cluster, job_name):
     super().UpdateClusterParamsFromFlags(cluster, job_name)
+    if not _OnLocalCpus():
+      return
     for job in (cluster.controller, cluster.worker, cluster.ps, cluster.evaler,
                 cluster.decoder):
       job.cpus_per_replica = FLAGS.num_devices
@@ -165,7 +179,7 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
     return cfg
 
   def _CreateRunner(self, job, model_task_name, logdir, tf_master, trial):
-    if not tf_master and not FLAGS.use_eager:
+    if not tf_master and self._servers:
       tf_master = self._servers[1].target
     return super()._CreateRunner(job, model_task_name, logdir, tf_master,
                                  trial)
@@ -203,7 +217,12 @@ def CheckStagesFitDevices(task_params, num_devices):
 
 
 def _CheckModel(name, num_devices):
-  """Fails with one line unless `name` is a model that fits the devices."""
+  """Fails with one line unless `name` is a model that fits the devices.
+
+  Args:
+    name: --model.
+    num_devices: --num_devices, or None to skip the fit check.
+  """
   try:
     model_registry.GetClass(name)
   except LookupError:
@@ -211,6 +230,8 @@ def _CheckModel(name, num_devices):
     cli.Fail(
         PROG, f'--model={name!r} is not a registered model; registered: '
         f'{", ".join(k for k in known if not k.startswith("test."))}.')
+  if num_devices is None:
+    return
   try:
     CheckStagesFitDevices(model_registry.GetParams(name, 'Train').task,
                           num_devices)
@@ -274,9 +295,9 @@ def main(argv):
   if not FLAGS.logdir:
     cli.Fail(PROG, '--logdir is required, e.g. --logdir=/tmp/lm.')
   progress = _RouteLogs(FLAGS.logdir)
-  _CheckModel(FLAGS.model, FLAGS.num_devices)
+  _CheckModel(FLAGS.model, FLAGS.num_devices if _OnLocalCpus() else None)
   py_utils.SetEagerMode(FLAGS.use_eager)
-  if FLAGS.use_eager:
+  if FLAGS.use_eager and _OnLocalCpus():
     _CreateLocalEagerDevices(FLAGS.num_devices)
   LocalDevicesRunnerManager(FLAGS.model).Start()
   _Report(progress)
