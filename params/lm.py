@@ -86,15 +86,16 @@ class CharLmInput(base_input_generator.BaseInputGenerator):
     p = self.params
     text = tf.constant(self._text.astype(np.int32))
     step = tf.cast(py_utils.GetGlobalStep(), tf.int32)
+    batch_size = self.InfeedBatchSize()  # All of Lingvo's towers.
     offsets = tf.random.stateless_uniform(
-        [p.batch_size], seed=tf.stack([p.window_seed, step]),
+        [batch_size], seed=tf.stack([p.window_seed, step]),
         maxval=len(self._text) - p.seq_len - 1, dtype=tf.int32)
     positions = offsets[:, tf.newaxis] + tf.range(p.seq_len + 1)
     windows = tf.gather(text, positions)
     return py_utils.NestedMap(
         ids=windows[:, :-1],
         labels=windows[:, 1:],
-        paddings=tf.zeros([p.batch_size, p.seq_len], tf.float32))
+        paddings=tf.zeros([batch_size, p.seq_len], tf.float32))
 
 
 class CharEmbeddingCell(base_layer.BaseLayer):

@@ -30,9 +30,13 @@ STEPS = 20
 # Deterministic initial weights, so two runs can be compared.
 COMMON = [f'--model={MODEL}', '--num_devices=4', '--stateless_vars_init',
           '--log_every=1']
+_TWO_STAGES = '--model_params_override=task.stack.num_stages: 2'
 RUNS = {
     'graph': COMMON + ['--logdir={tmp}/graph', f'--max_steps={STEPS}'],
     'eager': COMMON + ['--logdir={tmp}/eager', '--max_steps=6', '--use_eager'],
+    # 2 data-parallel replicas (Lingvo towers) of a 2-stage pipeline.
+    'replicas': COMMON + ['--logdir={tmp}/replicas', '--max_steps=6',
+                          '--split_size=2', _TWO_STAGES],
     'bad_model': ['--model=lm.NoSuchModel', '--logdir={tmp}/bad'],
     'bad_value': [f'--model={MODEL}', '--num_devices=0', '--logdir={tmp}/bad'],
     'too_few_devices': [f'--model={MODEL}', '--num_devices=2',
@@ -107,7 +111,8 @@ def _ProgressSteps(stdout):
   return [int(s) for s in re.findall(r'^step +(\d+) +loss', stdout, re.M)]
 
 
-@pytest.mark.parametrize('name,steps', [('graph', STEPS), ('eager', 6)])
+@pytest.mark.parametrize('name,steps', [('graph', STEPS), ('eager', 6),
+                                        ('replicas', 6)])
 def testTrainsAndLossDecreases(runs, name, steps):
   model, last_step, first, last, rate, ckpt = _Trained(runs, name)
   assert (model, int(last_step)) == (MODEL, steps)
@@ -175,8 +180,8 @@ def testEvalAndDecodeOnHeldOutText(runs):
     ('bad_model', "--model='lm.NoSuchModel' is not a registered model; "
                   'registered: lm.GPipeCharLm, lm.GPipeCharLmTiny'),
     ('bad_value', 'flag --num_devices=0: 0 is not a positive integer'),
-    ('too_few_devices', 'task.stack.num_stages=4 needs --num_devices >= 4; '
-                        'got --num_devices=2'),
+    ('too_few_devices', 'task.stack.num_stages=4 needs a model split of at '
+                        'least 4 devices; got 2 (--num_devices, --split_size)'),
 ])
 def testBadInputIsOneLine(runs, name, message):
   code, stdout, stderr = runs[name]
@@ -186,16 +191,20 @@ def testBadInputIsOneLine(runs, name, message):
   assert 'Traceback' not in stderr and 'trained' not in stdout
 
 
-def _TraceOneLauncherStep(logdir):
+def _TraceOneLauncherStep(logdir, split_size=None):
   """One training step built like the launcher's trainer, with step stats.
 
   Args:
     logdir: --logdir.
+    split_size: --split_size (None: all 4 devices in one split, 4 stages; 2:
+      two towers of 2 stages).
 
   Returns:
     (RunMetadata, the LM task).
   """
-  with flagsaver.flagsaver(model=MODEL, logdir=logdir):
+  override = f'task.stack.num_stages: {split_size}' if split_size else ''
+  with flagsaver.flagsaver(model=MODEL, logdir=logdir, split_size=split_size,
+                           model_params_override=override):
     manager = train.LocalDevicesRunnerManager(MODEL)
     manager.MaybeConfigRunLocally()
     cfg = manager.GetParamsForDataset('trainer_client', 'Train')
@@ -230,6 +239,17 @@ _TRANSFER_OPS = ('_Send', '_Recv', '_HostSend', '_HostRecv', 'Identity',
                  'NoOp')
 
 
+def _StageCall(node):
+  """(tower, stage) of a kernel run inside a forward stage call, or None."""
+  call = re.search(
+      r'/tower_0_(\d)/gpipe/stage(\d)_\d+/StatefulPartitionedCall/',
+      node.node_name)
+  op_type = re.search(r'= (\w+)\(', node.timeline_label)
+  if call and op_type and op_type.group(1) not in _TRANSFER_OPS:
+    return int(call.group(1)), int(call.group(2))
+  return None
+
+
 def testStageKRunsOnDeviceK(tmp_path):
   """On the launcher's cluster and 4-device server, stage k ran on CPU:k.
 
@@ -246,13 +266,26 @@ def testStageKRunsOnDeviceK(tmp_path):
         if re.search(pattern, node.node_name):
           grad = '-grad' if node.node_name.startswith('gradients/') else ''
           kinds[device].add(kind + grad)
-      call = re.search(r'/stage(\d)_\d+/StatefulPartitionedCall/',
-                       node.node_name)
-      op_type = re.search(r'= (\w+)\(', node.timeline_label)
-      if call and op_type and op_type.group(1) not in _TRANSFER_OPS:
-        stage_calls[int(call.group(1))].add(device)
+      call = _StageCall(node)
+      if call:
+        stage_calls[call[1]].add(device)
   transformer = {'attention', 'attention-grad', 'feedforward',
                  'feedforward-grad'}
   assert dict(kinds) == {0: {'embedding'}, 1: transformer, 2: transformer,
                          3: {'softmax', 'softmax-grad'}}
   assert dict(stage_calls) == {k: {k} for k in range(4)}
+
+
+def testTwoReplicasOfTwoStagesRunOnTheirOwnDevices(tmp_path):
+  """--split_size=2 on 4 devices: tower r's stage k ran on CPU:2r+k."""
+  metadata, task = _TraceOneLauncherStep(str(tmp_path), split_size=2)
+  assert task.stack.num_stages == 2
+  calls = collections.defaultdict(set)
+  for dev in metadata.step_stats.dev_stats:
+    device = int(re.search(r'CPU:(\d+)$', dev.device).group(1))
+    for node in dev.node_stats:
+      call = _StageCall(node)
+      if call:
+        calls[call].add(device)
+  assert dict(calls) == {
+      (r, k): {2 * r + k} for r in range(2) for k in range(2)}

@@ -5,8 +5,9 @@ CPU device, so a pipeline has nowhere to put stage 2. This launcher runs the
 same RunnerManager with three changes:
 
 * the local TF server (graph mode) or the eager context has `--num_devices`
-  CPU devices, and the cluster's worker, evaler and decoder model split is
-  those K devices, so stage k of a `GPipeSequentialLayer` runs on CPU:k;
+  CPU devices, and the cluster's model split is those K devices, so stage k
+  of a `GPipeSequentialLayer` runs on CPU:k (or, with `--split_size=K` and
+  R*K devices, R data-parallel towers of K devices each);
 * the default job is `trainer_client` with checkpoints written by the
   trainer (`--checkpoint_in_trainer_cpu`): no controller, no 30 s start-up
   wait;
@@ -40,12 +41,20 @@ from lingvo import trainer as lingvo_trainer
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
+from lingvo_gpipe import GPipeSequentialLayer
+
 import cli
 import params  # pylint: disable=unused-import  # Registers the models.
 
 flags.DEFINE_integer(
-    'num_devices', 4, 'K: local CPU devices, all in one model split; stage k '
-    'of a GPipeSequentialLayer runs on CPU:k.', lower_bound=1)
+    'num_devices', 4, 'Local CPU devices. With one model split (the '
+    'default) stage k of a GPipeSequentialLayer runs on CPU:k.',
+    lower_bound=1)
+flags.DEFINE_integer(
+    'split_size', None, 'K: devices of one model split (one pipeline); '
+    '--num_devices=R*K with --split_size=K trains R data-parallel replicas '
+    "(Lingvo's towers, gradients averaged). Default: --num_devices.",
+    lower_bound=1)
 flags.DEFINE_integer(
     'max_steps', None, 'Train until this global step (overrides the '
     "model's task.train.max_steps).", lower_bound=1)
@@ -61,7 +70,8 @@ FLAGS.set_default('checkpoint_in_trainer_cpu', True)
 
 # What Lingvo's trainers (graph and eager) log after each step, and what its
 # evalers and decoders log after each checkpoint.
-_TRAIN_LOG = re.compile(r'^step:\s*(\d+), steps/sec: \S+, examples/sec: \S+ (.*)$')
+_TRAIN_LOG = re.compile(
+    r'^step:\s*(\d+), steps/sec: \S+, examples/sec: \S+ (.*)$')
 _EVAL_LOG = re.compile(r'^((?:eval|decoder)_\w+): step:\s*(\d+), (.*)$')
 _NOT_REPORTED = ('examples/sec', 'num_samples_in_batch', 'total_samples')
 
@@ -130,6 +140,10 @@ class FinalCheckpointTrainer(runners.Trainer):
     return stop
 
 
+def _SplitSize():
+  return FLAGS.split_size or FLAGS.num_devices
+
+
 def _OnLocalCpus():
   """Whether this run is local on CPU (else Lingvo's cluster flags rule)."""
   return FLAGS.run_locally == 'cpu'
@@ -169,7 +183,7 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
     for job in (cluster.controller, cluster.worker, cluster.ps, cluster.evaler,
                 cluster.decoder):
       job.cpus_per_replica = FLAGS.num_devices
-      job.devices_per_split = FLAGS.num_devices
+      job.devices_per_split = _SplitSize()
 
   def GetParamsForDataset(self, job_name, dataset_name):
     cfg = super().GetParamsForDataset(job_name, dataset_name)
@@ -190,13 +204,11 @@ def CheckStagesFitDevices(task_params, num_devices):
 
   Args:
     task_params: A Lingvo task's Params.
-    num_devices: --num_devices.
+    num_devices: Devices of one model split.
 
   Raises:
-    ValueError: naming the pipeline, its num_stages and --num_devices.
+    ValueError: naming the pipeline, its num_stages and the devices.
   """
-  from lingvo_gpipe import GPipeSequentialLayer  # pylint: disable=g-import-not-at-top
-
   def Visit(path, p):
     if isinstance(p, (list, tuple)):
       for i, item in enumerate(p):
@@ -206,10 +218,10 @@ def CheckStagesFitDevices(task_params, num_devices):
     if (getattr(p, 'cls', None) is GPipeSequentialLayer and
         p.num_stages > num_devices):
       raise ValueError(
-          f'{path}.num_stages={p.num_stages} needs --num_devices >= '
-          f'{p.num_stages}; got --num_devices={num_devices}. Pass '
-          f'--num_devices={p.num_stages} or --model_params_override='
-          f"'{path}.num_stages: {num_devices}'.")
+          f'{path}.num_stages={p.num_stages} needs a model split of at least '
+          f'{p.num_stages} devices; got {num_devices} (--num_devices, '
+          f'--split_size). Pass --num_devices={p.num_stages} or '
+          f"--model_params_override='{path}.num_stages: {num_devices}'.")
     for name, value in p.IterParams():
       Visit(f'{path}.{name}', value)
 
@@ -295,7 +307,10 @@ def main(argv):
   if not FLAGS.logdir:
     cli.Fail(PROG, '--logdir is required, e.g. --logdir=/tmp/lm.')
   progress = _RouteLogs(FLAGS.logdir)
-  _CheckModel(FLAGS.model, FLAGS.num_devices if _OnLocalCpus() else None)
+  if FLAGS.num_devices % _SplitSize():
+    cli.Fail(PROG, f'--split_size={FLAGS.split_size} must divide '
+             f'--num_devices={FLAGS.num_devices}.')
+  _CheckModel(FLAGS.model, _SplitSize() if _OnLocalCpus() else None)
   py_utils.SetEagerMode(FLAGS.use_eager)
   if FLAGS.use_eager and _OnLocalCpus():
     _CreateLocalEagerDevices(FLAGS.num_devices)
