@@ -98,8 +98,8 @@ class CharLmInput(base_input_generator.BaseInputGenerator):
         paddings=tf.zeros([batch_size, p.seq_len], tf.float32))
 
 
-class CharEmbeddingCell(base_layer.BaseLayer):
-  """First cell: byte ids [T, B] -> scaled embeddings + positions [T, B, D]."""
+class ByteCell(base_layer.BaseLayer):
+  """Params shared by the cells that map bytes to vectors and back."""
 
   @classmethod
   def Params(cls):
@@ -107,6 +107,10 @@ class CharEmbeddingCell(base_layer.BaseLayer):
     p.Define('vocab_size', VOCAB_SIZE, 'Number of distinct ids.')
     p.Define('dim', 64, 'Model dimension.')
     return p
+
+
+class CharEmbeddingCell(ByteCell):
+  """First cell: byte ids [T, B] -> scaled embeddings + positions [T, B, D]."""
 
   def __init__(self, params):
     super().__init__(params)
@@ -134,8 +138,8 @@ class CharEmbeddingCell(base_layer.BaseLayer):
     return vecs, paddings
 
 
-class CausalTransformerCell(base_layer.BaseLayer):
-  """A Transformer layer with masked (causal) self-attention."""
+class TransformerCell(base_layer.BaseLayer):
+  """A Transformer layer that passes its paddings on, so cells can chain."""
 
   @classmethod
   def Params(cls):
@@ -143,13 +147,15 @@ class CausalTransformerCell(base_layer.BaseLayer):
     p.Define('dim', 64, 'Model dimension.')
     p.Define('num_heads', 4, 'Attention heads.')
     p.Define('hidden_dim', 256, 'Feed-forward hidden dimension.')
+    p.Define('causal', True, 'Masked self-attention: position t attends to '
+             'positions <= t only (what a language model needs).')
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     tp = layers_with_attention.TransformerLayer.Params().Set(
-        source_dim=p.dim, mask_self_atten=True)
+        source_dim=p.dim, mask_self_atten=p.causal)
     tp.tr_atten_tpl.num_attention_heads = p.num_heads
     tp.tr_fflayer_tpl.hidden_dim = p.hidden_dim
     self.CreateChild('transformer', tp)
@@ -160,15 +166,8 @@ class CausalTransformerCell(base_layer.BaseLayer):
     return vecs, paddings
 
 
-class CharSoftmaxCell(base_layer.BaseLayer):
+class CharSoftmaxCell(ByteCell):
   """Last cell: layer norm and projection to next-byte logits [T, B, V]."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('vocab_size', VOCAB_SIZE, 'Number of distinct ids.')
-    p.Define('dim', 64, 'Model dimension.')
-    return p
 
   def __init__(self, params):
     super().__init__(params)
@@ -186,7 +185,7 @@ class CharSoftmaxCell(base_layer.BaseLayer):
 def CharLmCells(num_layers, dim, num_heads, hidden_dim):
   """The cells of the pipeline: embedding, Transformer layers, softmax."""
   return ([CharEmbeddingCell.Params().Set(name='embedding', dim=dim)] + [
-      CausalTransformerCell.Params().Set(
+      TransformerCell.Params().Set(
           name=f'layer{i}', dim=dim, num_heads=num_heads,
           hidden_dim=hidden_dim) for i in range(num_layers)
   ] + [CharSoftmaxCell.Params().Set(name='softmax', dim=dim)])

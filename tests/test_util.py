@@ -8,14 +8,12 @@ import sys
 
 import numpy as np
 from lingvo import compat as tf
-from lingvo.core import base_layer
 from lingvo.core import builder_layers
-from lingvo.core import cluster_factory
 from lingvo.core import layers
-from lingvo.core import layers_with_attention
 from lingvo.core import py_utils
 
 from lingvo_gpipe import GPipeSequentialLayer
+from params import lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 4
@@ -62,29 +60,6 @@ def AssertTransparent(actual_values, expected_values, tol=1e-5):
       assert err < tol, f'tensor {i}: relative error {err}'
 
 
-class TransformerCell(base_layer.BaseLayer):
-  """A Transformer layer that returns (vecs, paddings) so cells can chain."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('dim', 8, 'Model dimension.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.params
-    tp = layers_with_attention.TransformerLayer.Params().Set(
-        name='transformer', source_dim=p.dim)
-    tp.tr_atten_tpl.num_attention_heads = 2
-    tp.tr_fflayer_tpl.hidden_dim = 2 * p.dim
-    self.CreateChild('transformer', tp)
-
-  def FProp(self, theta, vecs, paddings):
-    out, _ = self.transformer.FProp(theta.transformer, vecs, paddings)
-    return out, paddings
-
-
 def FCCells(num_cells=4, dim=8):
   return [
       layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=dim, output_dim=dim)
@@ -127,8 +102,11 @@ def ConvCells(num_cells=4, channels=3):
 
 
 def TransformerCells(num_cells=4, dim=8):
-  return [TransformerCell.Params().Set(name=f'tr{i}', dim=dim)
-          for i in range(num_cells)]
+  return [
+      lm.TransformerCell.Params().Set(name=f'tr{i}', dim=dim, num_heads=2,
+                                      hidden_dim=2 * dim, causal=False)
+      for i in range(num_cells)
+  ]
 
 
 def PipeParams(cells, **kwargs):
