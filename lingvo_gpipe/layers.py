@@ -35,6 +35,31 @@ def _ToTuple(x):
   return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def _AccumulatorRestorer(cell):
+  """A function that puts the cell's accumulators back as they are now.
+
+  Unset accumulators become unset again: `GetValue` of an unset one makes a
+  default tensor in the current graph, which must not outlive it.
+
+  Args:
+    cell: A Lingvo layer.
+
+  Returns:
+    A function of no arguments.
+  """
+  accumulators = cell.accumulators.Flatten()
+  values = [acc._value for acc in accumulators]  # pylint: disable=protected-access
+
+  def Restore():
+    for acc, value in zip(accumulators, values):
+      if value is None:
+        acc.Reset()
+      else:
+        acc.SetValue(value)
+
+  return Restore
+
+
 @contextlib.contextmanager
 def MicroBatchSeeds(micro_batch_id):
   """Seeds Lingvo's stateless random ops from the micro-batch id.
@@ -309,14 +334,14 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         for cell in cells:
           name = cell.params.name
           # Accumulators hold tensors of this trace only while it runs; the
-          # values outside (set after the pipeline) must survive later traces,
-          # such as the backward pass's recompute.
-          outside = cell.GetAccumulatorValues()
+          # values outside (set after the pipeline, or unset) must survive
+          # later traces, such as the backward pass's recompute.
+          restore = _AccumulatorRestorer(cell)
           cell.SetAccumulatorValues(state[name])
           py_utils.ResetStepSeed(py_utils.GenerateSeedFromName(cell.path))
           args = _ToTuple(cell.FProp(theta[name], *args))
           new_state[name] = cell.GetAccumulatorValues()
-          cell.SetAccumulatorValues(outside)
+          restore()
       if p.nested_map_fprop:
         structs[k + 1] = args[0]
         return args[0].Flatten(), new_state
@@ -385,9 +410,12 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         states,
         step=py_utils.GetGlobalStep(),
         training=training)
-    for cells, state in zip(stage_cells, states):
-      for cell in cells:
-        cell.SetAccumulatorValues(state[cell.params.name])
+    if training:
+      # Eval accumulates nothing; its state stays inside this trace (Lingvo's
+      # eager evaler traces its eval function twice).
+      for cells, state in zip(stage_cells, states):
+        for cell in cells:
+          cell.SetAccumulatorValues(state[cell.params.name])
     if p.nested_map_fprop:
       return structs[-1].Pack(outputs)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

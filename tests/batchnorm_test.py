@@ -246,6 +246,19 @@ def test_eval_uses_moving_stats():
   assert np.abs(y_val.mean(axis=0)).max() > 0.1
 
 
+def test_eval_traced_twice_in_tf_function():
+  """Lingvo's eager evaler traces eval FProp twice; no tensor may leak."""
+  p = test_util.PipeParams(_Cells(batchnorm.BatchNormLayer), num_stages=2,
+                           num_micro_batches=2)
+  p.is_inference = True
+  with cluster_factory.SetEval(True):
+    pipe = p.Instantiate()
+    x = tf.constant(_Inputs(np.random.RandomState(0)))
+    outputs = [tf.function(lambda: pipe.FProp(pipe.theta, x))()
+               for _ in range(2)]
+  np.testing.assert_array_equal(outputs[0].numpy(), outputs[1].numpy())
+
+
 def _PaddedInputs(rng, num_micro, batch=8, time=5):
   x = (rng.randn(batch, time, DIM) * 3.0 + 1.0).astype(np.float32)
   lengths = rng.randint(1, time + 1, batch)

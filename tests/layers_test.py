@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from lingvo import compat as tf
 from lingvo.core import base_layer
+from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
 from params import lm
@@ -169,7 +170,7 @@ def testEvalUsesTheSameStagesWithoutRecompute():
   p = test_util.PipeParams(test_util.FCCells(), num_stages=2,
                            num_micro_batches=4)
   graph = tf.Graph()
-  with graph.as_default(), test_util.cluster_factory.SetEval(True):
+  with graph.as_default(), cluster_factory.SetEval(True):
     pipe = p.Instantiate()
     ref = test_util.Reference(test_util.FCCells())
     x = tf.constant(FC_INPUT)
