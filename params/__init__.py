@@ -1,8 +1,9 @@
 """Lingvo models built on lingvo_gpipe, registered with Lingvo's registry.
 
 Importing this package registers every model: `lm.GPipeCharLm`,
-`lm.GPipeCharLmTiny` (params/lm.py) and the image classifiers of
-params/image.py.
+`lm.GPipeCharLmTiny` (params/lm.py), `image.ShapesResNet` and
+`image.ShapesResNetTiny` (params/image.py).
 """
 
+from params import image  # pylint: disable=unused-import
 from params import lm  # pylint: disable=unused-import
