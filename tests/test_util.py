@@ -212,7 +212,13 @@ def RunToolInParallel(tool, runs, tmp, timeout):
           text=True) for name, args in runs.items()
   }
   results = {'tmp': tmp}
-  for name, proc in procs.items():
-    stdout, stderr = proc.communicate(timeout=timeout)
-    results[name] = (proc.returncode, stdout, stderr)
+  try:
+    for name, proc in procs.items():
+      stdout, stderr = proc.communicate(timeout=timeout)
+      results[name] = (proc.returncode, stdout, stderr)
+  finally:  # A run that timed out (or a failure here) leaves nothing behind.
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
   return results

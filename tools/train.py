@@ -73,6 +73,8 @@ FLAGS.set_default('checkpoint_in_trainer_cpu', True)
 _TRAIN_LOG = re.compile(
     r'^step:\s*(\d+), steps/sec: \S+, examples/sec: \S+ (.*)$')
 _EVAL_LOG = re.compile(r'^((?:eval|decoder)_\w+): step:\s*(\d+), (.*)$')
+# Lingvo's eager evalers and decoders log without their job's name.
+_EAGER_EVAL_LOG = re.compile(r'^step:\s*(\d+) ((?:\S+:\S+ ?)+)$')
 _NOT_REPORTED = ('examples/sec', 'num_samples_in_batch', 'total_samples')
 
 
@@ -84,9 +86,11 @@ class Progress(logging.Handler):
     results: {job: (step, {metric: value})} of every eval or decode job.
   """
 
-  def __init__(self, log_every):
+  def __init__(self, log_every, eager_eval_job):
+    """Prints every `log_every` steps; eager evals count as `eager_eval_job`."""
     super().__init__()
     self._log_every = log_every
+    self._eager_eval_job = eager_eval_job
     self.steps = []
     self.results = {}
 
@@ -112,10 +116,16 @@ class Progress(logging.Handler):
       return
     evaluation = _EVAL_LOG.match(message)
     if evaluation:
-      values = {k: float(v) for k, v in
-                re.findall(r'(\S+): ([^,\s]+)', evaluation.group(3))
-                if k not in _NOT_REPORTED}
-      self.results[evaluation.group(1)] = (int(evaluation.group(2)), values)
+      job, step, pairs = evaluation.groups()
+    else:
+      evaluation = _EAGER_EVAL_LOG.match(message)
+      if not evaluation:
+        return
+      job = self._eager_eval_job
+      step, pairs = evaluation.groups()
+    values = {k: float(v) for k, v in re.findall(r'(\S+):\s*([^,\s]+)', pairs)
+              if k not in _NOT_REPORTED}
+    self.results[job] = (int(step), values)
 
 
 class _UserWarnings(logging.Filter):
@@ -266,7 +276,11 @@ def _RouteLogs(logdir):
   warnings = logging.StreamHandler(sys.stderr)
   warnings.setLevel(logging.WARNING)
   warnings.addFilter(_UserWarnings())
-  progress = Progress(FLAGS.log_every)
+  # Lingvo's names of its evaler and decoder jobs' outputs ('eval_dev', ...).
+  eval_jobs = [job.replace('evaler_', 'eval_', 1)
+               for job in FLAGS.job.split(',')
+               if job.startswith(('evaler_', 'decoder_'))]
+  progress = Progress(FLAGS.log_every, ','.join(eval_jobs))
   for name in ('absl', 'tensorflow'):  # Lingvo logs through absl.
     logger = logging.getLogger(name)
     logger.propagate = False
