@@ -23,15 +23,14 @@ from lingvo import compat as tf
 from lingvo import model_registry
 from lingvo.core import base_input_generator
 from lingvo.core import base_layer
-from lingvo.core import base_model
 from lingvo.core import base_model_params
 from lingvo.core import layers
 from lingvo.core import py_utils
-from lingvo.core import schedule
 from lingvo.core import tshape
 
 from lingvo_gpipe import BatchNormLayer
 from lingvo_gpipe import GPipeSequentialLayer
+from params import pipelined_task
 
 # The classes, in label order.
 SHAPES = ('square', 'disc', 'ring', 'plus', 'triangle', 'diamond')
@@ -391,19 +390,8 @@ def ResNetCells(channels, blocks_per_level, num_classes, bn_decay):
   return cells
 
 
-class ImageClassifierTask(base_model.BaseTask):
-  """Softmax classification of images by one pipelined stack of cells."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('stack', GPipeSequentialLayer.Params(),
-             'The pipeline: images [B, H, W, C] -> logits [B, classes].')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    self.CreateChild('stack', self.params.stack)
+class ImageClassifierTask(pipelined_task.PipelinedTask):
+  """Softmax classification; `stack` maps images [B, H, W, C] to logits."""
 
   def ComputePredictions(self, theta, input_batch):
     return py_utils.NestedMap(
@@ -419,18 +407,15 @@ class ImageClassifierTask(base_model.BaseTask):
 
     Returns:
       (metrics, per_example): Lingvo's {name: (value, weight)}, with 'loss'
-      and 'accuracy' weighted by the number of images, and {}.
+      and 'accuracy' weighted by the number of images (and the pipeline's
+      bubble fraction in training), and {}.
     """
     labels = input_batch.label
-    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=predictions.logits)
-    correct = tf.equal(
-        tf.argmax(predictions.logits, -1, output_type=tf.int32), labels)
-    count = tf.cast(tf.size(labels), tf.float32)
-    return {
-        'loss': (tf.reduce_mean(xent), count),
-        'accuracy': (tf.reduce_mean(tf.cast(correct, tf.float32)), count),
-    }, {}
+    loss, accuracy, count = pipelined_task.SoftmaxMetrics(
+        predictions.logits, labels, tf.ones_like(labels, tf.float32))
+    batch_metrics = {'loss': (loss, count), 'accuracy': (accuracy, count)}
+    batch_metrics.update(self.PipelineMetrics(labels.shape[0]))
+    return batch_metrics, {}
 
 
 @model_registry.RegisterSingleTaskModel
@@ -473,14 +458,9 @@ class ShapesResNet(base_model_params.SingleTaskModelParams):
         num_micro_batches=self.NUM_MICRO_BATCHES,
         partition='flops',
         batch_dim=0)
-    tp = p.train
-    tp.max_steps = self.MAX_STEPS
-    tp.learning_rate = self.LEARNING_RATE
-    tp.lr_schedule = schedule.LinearRampupCosineSchedule.Params().Set(
-        warmup_steps=self.MAX_STEPS // 10, total_steps=self.MAX_STEPS,
-        final_value=0.05)
-    tp.save_interval_steps = 100
-    tp.summary_interval_steps = 10
+    pipelined_task.SetTrainSchedule(p.train, self.LEARNING_RATE,
+                                    self.MAX_STEPS, final_value=0.05,
+                                    save_interval_steps=100)
     p.eval.samples_per_summary = self.DEV_SAMPLES
     return p
 

@@ -16,16 +16,15 @@ from lingvo import compat as tf
 from lingvo import model_registry
 from lingvo.core import base_input_generator
 from lingvo.core import base_layer
-from lingvo.core import base_model
 from lingvo.core import base_model_params
 from lingvo.core import layers
 from lingvo.core import layers_with_attention
 from lingvo.core import metrics
 from lingvo.core import py_utils
-from lingvo.core import schedule
 import numpy as np
 
 from lingvo_gpipe import GPipeSequentialLayer
+from params import pipelined_task
 
 CORPUS = os.path.join(os.path.dirname(__file__), 'data',
                       'python_docstrings.txt')
@@ -191,19 +190,8 @@ def CharLmCells(num_layers, dim, num_heads, hidden_dim):
   ] + [CharSoftmaxCell.Params().Set(name='softmax', dim=dim)])
 
 
-class CharLmTask(base_model.BaseTask):
-  """Next-byte prediction with one pipelined stack of cells."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('stack', GPipeSequentialLayer.Params(),
-             'The pipeline: ids, paddings [T, B] -> logits [T, B, V].')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    self.CreateChild('stack', self.params.stack)
+class CharLmTask(pipelined_task.PipelinedTask):
+  """Next-byte prediction; `stack` maps ids, paddings [T, B] to logits."""
 
   def ComputePredictions(self, theta, input_batch):
     ids = tf.transpose(input_batch.ids)
@@ -222,24 +210,15 @@ class CharLmTask(base_model.BaseTask):
     Returns:
       (metrics, per_example): Lingvo's {name: (value, weight)} and {}.
     """
-    labels = tf.transpose(input_batch.labels)
-    weights = 1.0 - tf.transpose(input_batch.paddings)
-    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=predictions.logits)
-    count = tf.reduce_sum(weights)
-    loss = tf.reduce_sum(xent * weights) / count
-    correct = tf.cast(
-        tf.equal(tf.argmax(predictions.logits, -1, output_type=tf.int32),
-                 labels), tf.float32)
-    accuracy = tf.reduce_sum(correct * weights) / count
+    loss, accuracy, count = pipelined_task.SoftmaxMetrics(
+        predictions.logits, tf.transpose(input_batch.labels),
+        1.0 - tf.transpose(input_batch.paddings))
     batch_metrics = {
         'loss': (loss, count),
         'log_pplx': (loss, count),
         'fraction_of_correct_next_step_preds': (accuracy, count),
     }
-    if not self.do_eval:
-      bubble = self.stack.BubbleFraction(input_batch.ids.shape[0])
-      batch_metrics['bubble_fraction'] = (tf.constant(bubble), tf.constant(1.0))
+    batch_metrics.update(self.PipelineMetrics(input_batch.ids.shape[0]))
     return batch_metrics, {}
 
   def Decode(self, input_batch):
@@ -303,15 +282,10 @@ class GPipeCharLm(base_model_params.SingleTaskModelParams):
         num_micro_batches=self.NUM_MICRO_BATCHES,
         partition='params',
         batch_dim=1)
-    tp = p.train
-    tp.max_steps = self.MAX_STEPS
-    tp.learning_rate = self.LEARNING_RATE
-    tp.lr_schedule = schedule.LinearRampupCosineSchedule.Params().Set(
-        warmup_steps=self.MAX_STEPS // 10, total_steps=self.MAX_STEPS,
-        final_value=0.1)
-    tp.clip_gradient_norm_to_value = 1.0
-    tp.save_interval_steps = 50
-    tp.summary_interval_steps = 10
+    pipelined_task.SetTrainSchedule(p.train, self.LEARNING_RATE,
+                                    self.MAX_STEPS, final_value=0.1,
+                                    save_interval_steps=50)
+    p.train.clip_gradient_norm_to_value = 1.0
     p.eval.samples_per_summary = 8 * self.BATCH_SIZE
     p.eval.decoder_samples_per_summary = 2 * self.BATCH_SIZE
     return p
