@@ -213,7 +213,8 @@ def _TraceOneLauncherStep(logdir, split_size=None):
   """
   override = f'task.stack.num_stages: {split_size}' if split_size else ''
   with flagsaver.flagsaver(model=MODEL, logdir=logdir, split_size=split_size,
-                           model_params_override=override):
+                           model_params_override=override,
+                           **train.LAUNCHER_DEFAULTS):
     manager = train.LocalDevicesRunnerManager(MODEL)
     manager.MaybeConfigRunLocally()
     cfg = manager.GetParamsForDataset('trainer_client', 'Train')

@@ -41,10 +41,11 @@ from lingvo import trainer as lingvo_trainer
 from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
+import lingvo_gpipe
 from lingvo_gpipe import GPipeSequentialLayer
 
 import cli
-import params  # pylint: disable=unused-import  # Registers the models.
+import params  # Registers the models.
 
 flags.DEFINE_integer(
     'num_devices', 4, 'Local CPU devices. With one model split (the '
@@ -63,10 +64,15 @@ flags.DEFINE_integer('log_every', 10, 'Print progress every this many steps.',
 
 FLAGS = flags.FLAGS
 PROG = 'train.py'
-FLAGS.set_default('run_locally', 'cpu')
-FLAGS.set_default('mode', 'sync')
-FLAGS.set_default('job', 'trainer_client')
-FLAGS.set_default('checkpoint_in_trainer_cpu', True)
+# Lingvo flags whose default differs here: a local CPU run, one trainer job
+# that writes its own checkpoints. Applied in main(), not at import, so that
+# importing this module leaves Lingvo's defaults alone.
+LAUNCHER_DEFAULTS = {
+    'run_locally': 'cpu',
+    'mode': 'sync',
+    'job': 'trainer_client',
+    'checkpoint_in_trainer_cpu': True,
+}
 
 # What Lingvo's trainers (graph and eager) log after each step, and what its
 # evalers and decoders log after each checkpoint.
@@ -131,9 +137,13 @@ class Progress(logging.Handler):
 class _UserWarnings(logging.Filter):
   """Errors, and warnings from lingvo_gpipe or params/ (not TF's noise)."""
 
+  _OURS = tuple(
+      os.path.dirname(package.__file__) + os.sep
+      for package in (lingvo_gpipe, params))
+
   def filter(self, record):
-    return record.levelno >= logging.ERROR or any(
-        part in record.pathname for part in ('lingvo_gpipe', 'params'))
+    return (record.levelno >= logging.ERROR or
+            record.pathname.startswith(self._OURS))
 
 
 class FinalCheckpointTrainer(runners.Trainer):
@@ -314,16 +324,18 @@ def _CreateLocalEagerDevices(num_devices):
 
 
 def main(argv):
+  for name, value in LAUNCHER_DEFAULTS.items():
+    FLAGS.set_default(name, value)  # Flags given on the command line win.
   if len(argv) > 1:
     cli.Fail(PROG, f'unexpected arguments {argv[1:]}; every setting is a flag.')
   if not FLAGS.model:
     cli.Fail(PROG, '--model is required, e.g. --model=lm.GPipeCharLm.')
   if not FLAGS.logdir:
     cli.Fail(PROG, '--logdir is required, e.g. --logdir=/tmp/lm.')
-  progress = _RouteLogs(FLAGS.logdir)
   if FLAGS.num_devices % _SplitSize():
     cli.Fail(PROG, f'--split_size={FLAGS.split_size} must divide '
              f'--num_devices={FLAGS.num_devices}.')
+  progress = _RouteLogs(FLAGS.logdir)
   _CheckModel(FLAGS.model, _SplitSize() if _OnLocalCpus() else None)
   py_utils.SetEagerMode(FLAGS.use_eager)
   if FLAGS.use_eager and _OnLocalCpus():
