@@ -1,4 +1,7 @@
-"""lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2 and Lingvo."""
+"""lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2 and Lingvo.
+
+Installs the library only; params/, tools/ and tests/ are repository files.
+"""
 
 import setuptools
 
@@ -8,8 +11,8 @@ setuptools.setup(
     description='GPipe pipeline parallelism for TensorFlow 2 and Lingvo.',
     long_description=open('README.md').read(),
     long_description_content_type='text/markdown',
-    packages=['lingvo_gpipe', 'params'],
-    package_data={'params': ['data/*.txt']},
+    packages=setuptools.find_packages(include=['lingvo_gpipe',
+                                               'lingvo_gpipe.*']),
     python_requires='==3.11.*',
     install_requires=[
         'tensorflow==2.21.*',

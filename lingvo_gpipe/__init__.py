@@ -4,10 +4,15 @@
     p = GPipeSequentialLayer.Params().Set(name='pipe', cell_tpl=cells,
                                           num_stages=4, num_micro_batches=8)
 
-Modules: `layers` (the Lingvo layer), `batchnorm` (micro-batch aware batch
-norm), `costs` (per-cell costs for partitioning), `pipeline` (the engine), `stage` and
-`recompute` (one stage's calls and their re-materialized gradients),
-`microbatch`, `schedule`, `partition`, `placement`.
+Layers, each using only the ones below it:
+
+* `layers` (GPipeSequentialLayer), `cells` (Lingvo cells as stage functions),
+  `batchnorm` (micro-batch aware batch norm), `costs` (per-cell costs):
+  the Lingvo layer;
+* `engine/`: the pipeline on TensorFlow alone;
+* `planning/`: schedules, simulation, partitioning, reports; no TensorFlow.
+
+`partition` is the public path of `planning.partition`.
 """
 
 __all__ = ['BatchNormLayer', 'GPipeSequentialLayer']

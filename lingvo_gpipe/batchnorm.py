@@ -99,18 +99,6 @@ class MomentsAccumulator(base_layer.Accumulator):
     return self._value is not None
 
 
-def InsideMicroBatching(layer):
-  """Whether `layer` runs inside a `GPipeSequentialLayer` (has one above it)."""
-  # Imported here: layers.py may import this module to check its cells.
-  from lingvo_gpipe import layers as layers_lib  # pylint: disable=g-import-not-at-top
-  ancestor = layer.parent
-  while ancestor is not None:
-    if isinstance(ancestor, layers_lib.GPipeSequentialLayer):
-      return True
-    ancestor = ancestor.parent
-  return False
-
-
 class BatchNormLayer(bn_layers.BatchNormLayer):
   """Lingvo's BatchNormLayer, with moving statistics of the whole mini-batch.
 
@@ -131,8 +119,8 @@ class BatchNormLayer(bn_layers.BatchNormLayer):
     p.Define(
         'accumulate_stats', None, 'Whether training FProp accumulates its '
         'moments for PostTrainingStepUpdate instead of registering Lingvo\'s '
-        'per-call moving-average update: None decides by whether the layer '
-        'has a GPipeSequentialLayer ancestor; True for other layers that '
+        'per-call moving-average update: None decides by whether a '
+        'GPipeSequentialLayer holds the layer; True for other layers that '
         'thread accumulators through micro-batches; False forces Lingvo\'s '
         'behaviour.')
     return p
@@ -144,12 +132,17 @@ class BatchNormLayer(bn_layers.BatchNormLayer):
       raise ValueError(f'accumulate_stats={p.accumulate_stats!r} must be '
                        'None, True or False.')
     self.RegisterAccumulator('moments', MomentsAccumulator(p.dim, p.dtype))
+    self._micro_batched = False
+
+  def MarkMicroBatched(self):
+    """Called by a micro-batching ancestor (`GPipeSequentialLayer`) at init."""
+    self._micro_batched = True
 
   def AccumulatesStats(self):
     """Whether training FProp accumulates moments (see accumulate_stats)."""
     p = self.params
     if p.accumulate_stats is None:
-      return InsideMicroBatching(self)
+      return self._micro_batched
     return p.accumulate_stats
 
   def ComputeAndUpdateMoments(self, theta, inputs, paddings=None, **kwargs):

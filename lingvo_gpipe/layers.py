@@ -12,90 +12,24 @@ between pipeline shapes and the plain sequential model. The pipeline shape
 (stages, devices, micro-batches, recompute) only changes how FProp runs.
 """
 
-import contextlib
-
 from absl import logging
-from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import bn_layers
 from lingvo.core import py_utils
 
 from lingvo_gpipe import batchnorm
+from lingvo_gpipe import cells as cells_lib
 from lingvo_gpipe import costs as costs_lib
-from lingvo_gpipe import microbatch
-from lingvo_gpipe import partition as partition_lib
-from lingvo_gpipe import pipeline
-from lingvo_gpipe import placement
-from lingvo_gpipe import schedule
+from lingvo_gpipe.engine import microbatch
+from lingvo_gpipe.engine import pipeline
+from lingvo_gpipe.engine import placement
+from lingvo_gpipe.engine import tpu
+from lingvo_gpipe.planning import checks
+from lingvo_gpipe.planning import partition as partition_lib
+from lingvo_gpipe.planning import report
+from lingvo_gpipe.planning import schedule
 
 _PARTITION_NAMES = ('uniform',) + costs_lib.METHODS
-
-
-def _ToTuple(x):
-  return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _AccumulatorRestorer(cell):
-  """A function that puts the cell's accumulators back as they are now.
-
-  Unset accumulators become unset again: `GetValue` of an unset one makes a
-  default tensor in the current graph, which must not outlive it.
-
-  Args:
-    cell: A Lingvo layer.
-
-  Returns:
-    A function of no arguments.
-  """
-  accumulators = cell.accumulators.Flatten()
-  values = [acc._value for acc in accumulators]  # pylint: disable=protected-access
-
-  def Restore():
-    for acc, value in zip(accumulators, values):
-      if value is None:
-        acc.Reset()
-      else:
-        acc.SetValue(value)
-
-  return Restore
-
-
-@contextlib.contextmanager
-def MicroBatchSeeds(micro_batch_id):
-  """Seeds Lingvo's stateless random ops from the micro-batch id.
-
-  Inside this context `py_utils.GenerateStepSeedPair` returns
-  [micro_batch_id, step seed] (plus the layer's random_seed and op seed)
-  instead of [global step, step seed], so every micro-batch of every step draws
-  its own masks and a recompute that replays the same trace draws the same.
-
-  Args:
-    micro_batch_id: int64 scalar tensor, global_step * M + micro-batch index.
-
-  Yields:
-    Nothing.
-  """
-  original = py_utils.GenerateStepSeedPair
-
-  def GenerateStepSeedPair(p, op_seed=None):
-    if p.is_inference and p.random_seed is None:
-      return original(p, op_seed)
-    seed_dtype = tf.int32 if py_utils.use_tpu() else tf.int64
-    seeds = tf.stack([
-        tf.cast(micro_batch_id, seed_dtype),
-        tf.cast(py_utils.GetIncStepSeed(), seed_dtype)
-    ])
-    if p.random_seed is not None:
-      seeds += p.random_seed
-    if op_seed is not None:
-      seeds += tf.cast(op_seed, seed_dtype)
-    return seeds
-
-  py_utils.GenerateStepSeedPair = GenerateStepSeedPair
-  try:
-    yield
-  finally:
-    py_utils.GenerateStepSeedPair = original
 
 
 class GPipeSequentialLayer(base_layer.BaseLayer):
@@ -144,19 +78,24 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     for cell_p in p.cell_tpl:
       self.CreateChild(cell_p.name, cell_p)
     self._cells = [self.children[cell_p.name] for cell_p in p.cell_tpl]
-    self._WarnAboutPlainBatchNorm()
+    self._FindBatchNorms()
     if p.partition == 'params':
       self._Partition(costs_lib.CellCosts(self._cells, 'params'))
     elif self._partition is not None:
       self._LogPlan(costs_lib.CellCosts(self._cells, 'params'))
 
-  def _WarnAboutPlainBatchNorm(self):
-    """Warns once per Lingvo BatchNormLayer found inside the cells."""
+  def _FindBatchNorms(self):
+    """Tells our BatchNormLayers they are micro-batched; warns about Lingvo's.
+
+    Each `batchnorm.BatchNormLayer` inside the cells accumulates whole
+    mini-batch moments; each plain Lingvo BatchNormLayer gets one warning.
+    """
     stack = list(self._cells)
     while stack:
       layer = stack.pop()
-      if (isinstance(layer, bn_layers.BatchNormLayer) and
-          not isinstance(layer, batchnorm.BatchNormLayer)):
+      if isinstance(layer, batchnorm.BatchNormLayer):
+        layer.MarkMicroBatched()
+      elif isinstance(layer, bn_layers.BatchNormLayer):
         logging.warning(
             '%s: %s is a Lingvo BatchNormLayer; inside the pipeline its moving '
             'statistics are updated per micro-batch (and again by recomputes),'
@@ -178,7 +117,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       memory = costs_lib.CellMemory(self._cells)
     logging.info(
         '%s: partition=%r\n%s', self.params.name, self.params.partition,
-        costs_lib.PartitionReport(
+        report.PartitionReport(
             cell_costs, self._partition, memory=memory,
             names=[c.params.name for c in self._cells]))
 
@@ -213,16 +152,16 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       counts = partition_lib.CheckPartition(p.partition, num_cells,
                                             p.num_stages)
       num_stages = len(counts)
-    pipeline.CheckRemat(p.remat)
+    schedule.CheckRemat(p.remat)
     placement.CheckDevices(p.devices, num_stages)
-    schedule.CheckPositiveInt('num_micro_batches', p.num_micro_batches)
+    checks.CheckPositiveInt('num_micro_batches', p.num_micro_batches)
     if p.micro_batch_size is not None:
-      schedule.CheckPositiveInt('micro_batch_size', p.micro_batch_size)
+      checks.CheckPositiveInt('micro_batch_size', p.micro_batch_size)
       if p.num_micro_batches != 1:
         raise ValueError(
             f'micro_batch_size={p.micro_batch_size} and num_micro_batches='
             f'{p.num_micro_batches} are both set; set only one of them.')
-    pipeline.CheckBatchDim(p.batch_dim)
+    checks.CheckBatchDim(p.batch_dim)
     return num_stages, counts
 
   @property
@@ -300,7 +239,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     if self.params.devices is None and py_utils.use_tpu():
       # Each replica's logical core k, whatever host devices Lingvo's (eager)
       # TPU cluster lists; in graph mode its model split says the same.
-      return placement.TpuStageDevices(num_stages)
+      return tpu.TpuStageDevices(num_stages)
     model_split = None
     if self.cluster.num_devices_per_split == num_stages:
       model_split = [
@@ -312,42 +251,6 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     """The idle fraction (K - 1) / (M + K - 1) of a step with this batch."""
     return schedule.BubbleFraction(self.num_stages,
                                    self.NumMicroBatches(batch_size))
-
-  def _MakeStageFn(self, cells, structs, k):
-    """The engine's stage function for cells of stage k.
-
-    Args:
-      cells: The stage's cells, in order.
-      structs: A list of K + 1 NestedMap templates of the stage boundaries
-        (nested_map_fprop only); entry k + 1 is filled when stage k is traced.
-      k: The stage index.
-
-    Returns:
-      A function (theta, inputs, state, micro_batch_id) -> (outputs, state).
-    """
-    p = self.params
-
-    def StageFn(theta, inputs, state, micro_batch_id):
-      args = (structs[k].Pack(list(inputs)),) if p.nested_map_fprop else inputs
-      new_state = py_utils.NestedMap()
-      with MicroBatchSeeds(micro_batch_id):
-        for cell in cells:
-          name = cell.params.name
-          # Accumulators hold tensors of this trace only while it runs; the
-          # values outside (set after the pipeline, or unset) must survive
-          # later traces, such as the backward pass's recompute.
-          restore = _AccumulatorRestorer(cell)
-          cell.SetAccumulatorValues(state[name])
-          py_utils.ResetStepSeed(py_utils.GenerateSeedFromName(cell.path))
-          args = _ToTuple(cell.FProp(theta[name], *args))
-          new_state[name] = cell.GetAccumulatorValues()
-          restore()
-      if p.nested_map_fprop:
-        structs[k + 1] = args[0]
-        return args[0].Flatten(), new_state
-      return args, new_state
-
-    return StageFn
 
   def FProp(self, theta, *args):
     """Runs the cells as a pipeline.
@@ -381,11 +284,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       num_micro = 1  # Without a backward pass there is nothing to overlap.
 
     stage_cells = self._StageCells()
-    structs = [None] * (self.num_stages + 1)
-    if p.nested_map_fprop:
-      structs[0] = args[0]
+    boundaries = (cells_lib.StageBoundaries(self.num_stages, args[0])
+                  if p.nested_map_fprop else None)
     stage_fns = [
-        self._MakeStageFn(cells, structs, k)
+        cells_lib.StageFunction(cells, boundaries, k)
         for k, cells in enumerate(stage_cells)
     ]
     thetas = [
@@ -417,5 +319,5 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         for cell in cells:
           cell.SetAccumulatorValues(state[cell.params.name])
     if p.nested_map_fprop:
-      return structs[-1].Pack(outputs)
+      return boundaries.last.Pack(outputs)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

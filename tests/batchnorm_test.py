@@ -20,6 +20,7 @@ from lingvo.core import layers
 from lingvo.core import py_utils
 
 from lingvo_gpipe import batchnorm
+import engine_util
 import test_util
 
 DIM = 8
@@ -125,7 +126,7 @@ def test_one_step_matches_full_batch(num_micro, num_stages):
     pipe_step = _TrainStepOp(pipe, tf.reduce_sum(tf.square(y)))
     y_micro, ref_updates = _PerMicroBatchReference(ref, x, num_micro)
     stats = _MovingStats(pipe)
-    with tf.Session(graph=graph, config=test_util.SessionConfig()) as sess:
+    with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.global_variables_initializer())
       _RandomizeMovingStats(sess, pipe, rng)
       initial = sess.run(stats)
@@ -135,10 +136,10 @@ def test_one_step_matches_full_batch(num_micro, num_stages):
         v.load(value, sess)
       sess.run(ref_updates)
       ref_stats = sess.run(stats)
-  test_util.AssertTransparent([y_val], [y_micro_val])
+  engine_util.AssertTransparent([y_val], [y_micro_val])
   for actual, expected, before in zip(pipe_stats, ref_stats, initial):
     assert not np.allclose(expected, before)
-    assert test_util.RelErr(actual, expected) < 1e-5
+    assert engine_util.RelErr(actual, expected) < 1e-5
   if num_micro == 1:  # Bit for bit what Lingvo's layer does.
     np.testing.assert_array_equal(pipe_stats, ref_stats)
 
@@ -185,14 +186,14 @@ def test_lingvo_task_applies_update():
     task.BProp()
     fc0, bn0 = task.pipe.children.fc0, task.pipe.children.bn0
     bn_inputs = fc0.FProp(fc0.theta, tf.constant(x_np))
-    with tf.Session(graph=graph, config=test_util.SessionConfig()) as sess:
+    with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.global_variables_initializer())
       h = sess.run(bn_inputs)  # Before train_op changes fc0.
       sess.run(task.train_op)
       mean, variance = sess.run(
           [bn0.vars.moving_mean, bn0.vars.moving_variance])
-  assert test_util.RelErr(mean, (1 - DECAY) * h.mean(axis=0)) < 1e-5
-  assert test_util.RelErr(variance, DECAY + (1 - DECAY) * h.var(axis=0)) < 1e-5
+  assert engine_util.RelErr(mean, (1 - DECAY) * h.mean(axis=0)) < 1e-5
+  assert engine_util.RelErr(variance, DECAY + (1 - DECAY) * h.var(axis=0)) < 1e-5
 
 
 def test_gradients_same_with_and_without_remat():
@@ -214,11 +215,11 @@ def test_gradients_same_with_and_without_remat():
       fetches.append([y] + tf.gradients(loss, wrt))
       # Both pipes accumulate exactly 4 micro-batches, recompute or not.
       fetches[-1].append(_BatchNorms(pipe)[0].accumulators.moments.GetValue())
-    with tf.Session(graph=graph, config=test_util.SessionConfig()) as sess:
+    with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.global_variables_initializer())
       remat_values, plain_values = sess.run(fetches)
   assert remat_values[-1][0, 0] == BATCH
-  test_util.AssertTransparent(remat_values, plain_values)
+  engine_util.AssertTransparent(remat_values, plain_values)
 
 
 def test_eval_uses_moving_stats():
@@ -234,13 +235,13 @@ def test_eval_uses_moving_stats():
     x = tf.constant(x_np)
     y, y_ref = pipe.FProp(pipe.theta, x), ref.FProp(ref.theta, x)
     stats = _MovingStats(pipe)
-    with tf.Session(graph=graph, config=test_util.SessionConfig()) as sess:
+    with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.global_variables_initializer())
       _RandomizeMovingStats(sess, pipe, rng)
       before = sess.run(stats)
       y_val, y_ref_val = sess.run([y, y_ref])
       after = sess.run(stats)
-  test_util.AssertTransparent([y_val], [y_ref_val])
+  engine_util.AssertTransparent([y_val], [y_ref_val])
   np.testing.assert_array_equal(before, after)
   # Normalized with the moving statistics, not the batch's.
   assert np.abs(y_val.mean(axis=0)).max() > 0.1
@@ -291,16 +292,16 @@ def test_paddings_excluded_from_stats(num_micro):
     ], axis=0)
     bn = pipe.children.bn0
     stats = [bn.vars.moving_mean, bn.vars.moving_variance]
-    with tf.Session(graph=graph, config=test_util.SessionConfig()) as sess:
+    with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.global_variables_initializer())
       y_val, y_micro_val, _ = sess.run([y, y_micro, step])
       mean, variance = sess.run(stats)
-  test_util.AssertTransparent([y_val], [y_micro_val])
+  engine_util.AssertTransparent([y_val], [y_micro_val])
   valid = x_np[pad_np == 0]  # [valid positions, DIM]
   expected_mean = (1 - DECAY) * valid.mean(axis=0)
   expected_var = DECAY + (1 - DECAY) * valid.var(axis=0)
-  assert test_util.RelErr(mean, expected_mean) < 1e-5
-  assert test_util.RelErr(variance, expected_var) < 1e-5
+  assert engine_util.RelErr(mean, expected_mean) < 1e-5
+  assert engine_util.RelErr(variance, expected_var) < 1e-5
 
 
 def test_plain_use_is_lingvo_batch_norm():

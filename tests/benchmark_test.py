@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-import test_util
+import tool_util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ RUNS = {
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  return test_util.RunToolInParallel(
+  return tool_util.RunToolInParallel(
       'benchmark.py', RUNS, str(tmp_path_factory.mktemp('benchmark')),
       timeout=600)
 

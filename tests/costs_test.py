@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.costs: params, flops, profile and the report."""
+"""Tests of lingvo_gpipe.costs: params, flops and profile costs of cells."""
 
 from lingvo import compat as tf
 from lingvo.core import layers
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lingvo_gpipe import costs
-from tests import test_util
+import test_util
 
 
 def _FC(name, input_dim, output_dim):
@@ -98,41 +98,3 @@ def testProfileMultipleInputsFromShapes():
   cells = _Build(test_util.TransformerCells(2))
   seconds = costs.CellCosts(cells, 'profile', input_shapes=([2, 3, 8], [2, 3]))
   assert len(seconds) == 2 and min(seconds) > 0
-
-
-def testPartitionReport():
-  report = costs.PartitionReport([1, 4, 4, 4, 8], [3, 2],
-                                 memory=[1, 1, 1, 1, 3],
-                                 names=['emb', 'l0', 'l1', 'l2', 'out'],
-                                 memory_limit=3.5)
-  lines = report.splitlines()
-  assert lines[0] == ('5 cells, 2 stages, total cost 21, ideal stage cost '
-                      '10.5.')
-  assert lines[1] == 'Partition [3, 2]:'
-  assert lines[3].split() == ['0', 'emb', '..', 'l1', '3', '9', '42.9%', '3']
-  assert lines[4].split() == [
-      '1', 'l2', '..', 'out', '2', '12', '57.1%', '4', 'over', 'memory_limit'
-  ]
-  assert lines[5].strip() == ('imbalance (largest stage / ideal): 1.143, '
-                              'largest stage memory: 4')
-  assert "Lingvo's heuristic (PartitionSequentialLayers) [3, 2]:" in report
-
-
-def testPartitionReportShowsEmptyLingvoStages():
-  report = costs.PartitionReport([1, 100, 1], [1, 1, 1])
-  lingvo = report[report.index("Lingvo's"):].splitlines()
-  assert lingvo[0].endswith('[1, 0, 2]:')
-  assert lingvo[3].split() == ['1', '(empty)', '0', '0', '0.0%']
-  assert lingvo[-1].endswith('1 empty stage(s)')
-  assert 'cell1' in report  # Default names.
-
-
-def testPartitionReportErrors():
-  with pytest.raises(ValueError, match=r'partition=\[2, 2\] sums to 4'):
-    costs.PartitionReport([1, 2, 3], [2, 2])
-  with pytest.raises(ValueError, match='names has 2 entries'):
-    costs.PartitionReport([1, 2, 3], [2, 1], names=['a', 'b'])
-  with pytest.raises(ValueError, match='memory has 1 entries'):
-    costs.PartitionReport([1, 2, 3], [2, 1], memory=[1])
-  assert 'undefined (all costs are zero)' in costs.PartitionReport([0, 0],
-                                                                   [1, 1])

@@ -22,7 +22,7 @@ from lingvo_gpipe import GPipeSequentialLayer
 from lingvo_gpipe import costs as costs_lib
 from lingvo_gpipe import partition as partition_lib
 from params import image
-import test_util
+import engine_util
 
 SEED = 7  # Graph seed: the same initial variables in every graph.
 NUM_STEPS = 20
@@ -104,7 +104,7 @@ def _TrainOneStep(num_stages, num_micro_batches):
     {path: [moving_mean, moving_variance]} as numpy arrays.
   """
   graph = tf.Graph()
-  config = test_util.SessionConfig()
+  config = engine_util.SessionConfig()
   config.graph_options.rewrite_options.disable_meta_optimizer = True
   with graph.as_default(), _Cluster():
     task = _BuildTask(_OneBatchTrainInput(), num_stages, num_micro_batches)
@@ -135,7 +135,7 @@ def trained(tmp_path_factory):
     saver = tf.train.Saver()
     checkpoint = str(tmp_path_factory.mktemp('shapes') / 'ckpt')
     result = py_utils.NestedMap(graph=graph, partition=task.stack.partition)
-    with tf.Session(graph=graph, config=test_util.SessionConfig()) as sess:
+    with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.global_variables_initializer())
       metadata = tf.RunMetadata()
       _, first_loss = sess.run(
@@ -221,8 +221,8 @@ def test_moving_stats_after_one_step_match_one_stage(trained):
     # Updated once from the initial 0 and 1 with decay 0.9.
     assert np.abs(expected_mean).max() > 1e-3
     assert np.abs(expected_variance - 1.0).max() > 1e-3
-    assert test_util.RelErr(mean, expected_mean) < 1e-5
-    assert test_util.RelErr(variance, expected_variance) < 1e-5
+    assert engine_util.RelErr(mean, expected_mean) < 1e-5
+    assert engine_util.RelErr(variance, expected_variance) < 1e-5
 
 
 def test_dev_eval_uses_the_moving_stats(trained):
@@ -240,7 +240,7 @@ def test_dev_eval_uses_the_moving_stats(trained):
     metrics = task.eval_metrics
     stats = _MovingStats(task)
     num_batches = task.params.eval.samples_per_summary // TINY.BATCH_SIZE
-    with tf.Session(graph=graph, config=test_util.SessionConfig()) as sess:
+    with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       tf.train.Saver().restore(sess, trained.checkpoint)
       before = sess.run(stats)
       passes = [[sess.run(metrics) for _ in range(num_batches)]

@@ -8,6 +8,7 @@ from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
 from params import lm
+import engine_util
 import test_util
 
 RNG = np.random.RandomState(0)
@@ -27,7 +28,7 @@ def testFCTransparentInGraph(k, m):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
                            num_micro_batches=m)
   pipe, ref, _ = test_util.RunGraph(p, test_util.FCCells, [FC_INPUT])
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k', KS)
@@ -36,7 +37,7 @@ def testFCTransparentInFunction(k, m):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
                            num_micro_batches=m)
   pipe, ref = test_util.RunFunction(p, test_util.FCCells, [FC_INPUT])
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k,m', [(1, 8), (2, 4), (4, 2), (4, 8)])
@@ -44,7 +45,7 @@ def testConvTransparentInGraph(k, m):
   p = test_util.PipeParams(test_util.ConvCells(), num_stages=k,
                            num_micro_batches=m)
   pipe, ref, _ = test_util.RunGraph(p, test_util.ConvCells, [CONV_INPUT, None])
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k,m', [(2, 2), (4, 4)])
@@ -53,9 +54,9 @@ def testTransformerTransparentBatchDim1(k, m):
                            num_micro_batches=m, batch_dim=1)
   inputs = [TR_VECS, TR_PADDINGS]
   pipe, ref, _ = test_util.RunGraph(p, test_util.TransformerCells, inputs)
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
   pipe, ref = test_util.RunFunction(p, test_util.TransformerCells, inputs)
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('remat', ['always', 'never'])
@@ -69,7 +70,7 @@ def testEmbeddingGradientsAreSparseAndExact(remat):
   p = test_util.PipeParams(Cells(), num_stages=3, num_micro_batches=4,
                            batch_dim=1, remat=remat)
   pipe, ref, _ = test_util.RunGraph(p, Cells, [ids, TR_PADDINGS])
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (2, 4), (4, 8)])
@@ -78,7 +79,7 @@ def testXla(k, m):
                            num_micro_batches=m)
   pipe, ref = test_util.RunFunction(
       p, test_util.FCCells, [FC_INPUT], jit_compile=True)
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
 
 
 class CountingAccumulator(base_layer.Accumulator):
@@ -127,7 +128,7 @@ def testAccumulatorsSeeEachMicroBatchOnce(remat):
     grads = tf.gradients(tf.reduce_sum(y), pipe.vars.Flatten())
     counts = [c.accumulators.calls.GetValue() for c in pipe.children.values()]
     with tf.compat.v1.Session(graph=graph,
-                              config=test_util.SessionConfig()) as sess:
+                              config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       counts, grads = sess.run([counts, grads])
   assert counts == [4.0] * 4
@@ -160,7 +161,7 @@ def testVariableNamesDoNotDependOnPipelineShape():
           name='pipe', sub=test_util.TransformerCells()))
   assert len(expected) > 10
   for kwargs in [dict(num_stages=1), dict(num_stages=2, num_micro_batches=4),
-                 dict(num_stages=4, devices=test_util.CPUS, remat='never'),
+                 dict(num_stages=4, devices=engine_util.CPUS, remat='never'),
                  dict(partition=[1, 3])]:
     p = test_util.PipeParams(test_util.TransformerCells(), **kwargs)
     assert _VariableNames(p) == expected, kwargs
@@ -177,10 +178,10 @@ def testEvalUsesTheSameStagesWithoutRecompute():
     y, y_ref = pipe.FProp(pipe.theta, x), ref.FProp(pipe.theta, x)
     assert not [op for op in graph.get_operations() if op.type == 'IdentityN']
     with tf.compat.v1.Session(graph=graph,
-                              config=test_util.SessionConfig()) as sess:
+                              config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       y, y_ref = sess.run([y, y_ref])
-  test_util.AssertTransparent([y], [y_ref])
+  engine_util.AssertTransparent([y], [y_ref])
 
 
 @pytest.mark.parametrize('kwargs,message', [
@@ -251,7 +252,7 @@ def testCostBasedPartitionIsOptimalAndTransparent(method, expected):
   p = test_util.PipeParams(_UnevenFCCells(), num_stages=3, partition=method,
                            num_micro_batches=2)
   pipe, ref, _ = test_util.RunGraph(p, _UnevenFCCells, [FC_INPUT])
-  test_util.AssertTransparent(pipe, ref)
+  engine_util.AssertTransparent(pipe, ref)
   with tf.Graph().as_default():
     layer = p.Instantiate()
     if method != 'params':
@@ -289,7 +290,7 @@ def testCheckpointRestoresAcrossPipelineShapes(tmp_path):
       y = layer.FProp(layer.theta, tf.constant(x))
       saver = tf.compat.v1.train.Saver()
       with tf.compat.v1.Session(graph=graph,
-                                config=test_util.SessionConfig()) as sess:
+                                config=engine_util.SessionConfig()) as sess:
         if shape == 'k4':
           sess.run(tf.compat.v1.global_variables_initializer())
           saver.save(sess, path)
@@ -297,4 +298,4 @@ def testCheckpointRestoresAcrossPipelineShapes(tmp_path):
           saver.restore(sess, path)
         outputs[shape] = sess.run(y)
   for shape in ['k2', 'k1', 'plain']:
-    test_util.AssertTransparent([outputs[shape]], [outputs['k4']])
+    engine_util.AssertTransparent([outputs[shape]], [outputs['k4']])

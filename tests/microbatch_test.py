@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import microbatch
+from lingvo_gpipe.engine import microbatch
 
 
 def testSplitMergeRoundTripKeepsNone():

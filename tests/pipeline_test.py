@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import pipeline
-import test_util
+from lingvo_gpipe.engine import pipeline
+from lingvo_gpipe.planning import schedule
+import engine_util
 
 RNG = np.random.RandomState(1)
 WEIGHTS = [RNG.randn(6, 6).astype(np.float32) * 0.5 for _ in range(4)]
@@ -46,7 +47,7 @@ def Loss(y, aux):
 def testTransparentInGraphAllRematModes():
   for k in (1, 2, 4):
     for m in (1, 2, 4, 8):
-      for remat in pipeline.REMAT_MODES:
+      for remat in schedule.REMAT_MODES:
         graph = tf.Graph()
         with graph.as_default():
           ws = [tf.constant(w) for w in WEIGHTS]
@@ -55,13 +56,13 @@ def testTransparentInGraphAllRematModes():
           # The aux state of the last stage sums mean(y) over micro-batches.
           aux0 = tf.add_n([tf.reduce_mean(p) for p in tf.split(y0, m)])
           g0 = tf.gradients(Loss(y0, aux0), ws + [x])
-          y1, states = Piped(ws, x, k, m, remat, test_util.CPUS)
+          y1, states = Piped(ws, x, k, m, remat, engine_util.CPUS)
           g1 = tf.gradients(Loss(y1, states[-1]['aux']), ws + [x])
           calls = [s['calls'] for s in states]
           with tf.compat.v1.Session(
-              graph=graph, config=test_util.SessionConfig()) as sess:
+              graph=graph, config=engine_util.SessionConfig()) as sess:
             expected, actual, calls = sess.run([[y0] + g0, [y1] + g1, calls])
-        test_util.AssertTransparent(actual, expected)
+        engine_util.AssertTransparent(actual, expected)
         assert calls == [m] * k, (k, m, remat, calls)
 
 
@@ -84,7 +85,7 @@ def testTransparentInFunction(jit_compile):
   for k, m, remat in [(1, 1, 'always'), (2, 4, 'always'),
                       (4, 8, 'except_last'), (4, 2, 'never')]:
     expected, actual = Step(k, m, remat)
-    test_util.AssertTransparent([a.numpy() for a in actual],
+    engine_util.AssertTransparent([a.numpy() for a in actual],
                                 [e.numpy() for e in expected])
 
 

@@ -10,7 +10,9 @@ from lingvo import compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
-from lingvo_gpipe import placement
+from lingvo_gpipe.engine import placement
+from lingvo_gpipe.engine import tpu
+import engine_util
 import test_util
 
 
@@ -37,7 +39,7 @@ def _TracedStep(remat, num_micro_batches=2):
         tf.reduce_sum(y * y), pipe.vars.Flatten(),
         colocate_gradients_with_ops=remat != 'always')
     with tf.compat.v1.Session(
-        graph=graph, config=test_util.SessionConfig()) as sess:
+        graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       metadata = tf.compat.v1.RunMetadata()
       sess.run(grads,
@@ -62,7 +64,7 @@ def testKernelsRunOnTheStageDevice(remat, forward_runs):
   """Cell k's kernels ran on CPU:k; with remat each forward ran twice."""
   _, step_stats = _TracedStep(remat)
   expected = {}
-  for k, device in enumerate(test_util.CPUS):
+  for k, device in enumerate(engine_util.CPUS):
     expected[(k, device, False)] = forward_runs  # M forwards (+ M recomputes).
     expected[(k, device, True)] = 2  # One weight gradient per micro-batch.
   assert dict(test_util.FCKernelRuns(step_stats)) == expected
@@ -122,7 +124,7 @@ def _V38Topology():
 ])
 def testTpuDeviceAssignment(num_stages, num_replicas, ordinals, coordinates):
   """Replica r's stage k runs on the physical core of logical core k."""
-  assignment = placement.TpuDeviceAssignment(_V38Topology(), num_replicas,
+  assignment = tpu.TpuDeviceAssignment(_V38Topology(), num_replicas,
                                              num_stages)
   assert (assignment.num_replicas, assignment.num_cores_per_replica) == (
       num_replicas, num_stages)
@@ -136,7 +138,7 @@ def testTpuDeviceAssignment(num_stages, num_replicas, ordinals, coordinates):
 
 def testTpuDeviceAssignmentFromSerializedTopology():
   topology = _V38Topology().serialized()
-  assignment = placement.TpuDeviceAssignment(topology, 2, 2)
+  assignment = tpu.TpuDeviceAssignment(topology, 2, 2)
   assert assignment.core_assignment.tolist() == [
       [[0, 0, 0, 0], [0, 0, 0, 1]], [[1, 0, 0, 0], [1, 0, 0, 1]]]
 
@@ -153,16 +155,16 @@ def testTpuDeviceAssignmentFromSerializedTopology():
 ])
 def testTpuDeviceAssignmentErrors(topology, num_replicas, num_stages, message):
   with pytest.raises(ValueError, match=message):
-    placement.TpuDeviceAssignment(topology or _V38Topology(), num_replicas,
+    tpu.TpuDeviceAssignment(topology or _V38Topology(), num_replicas,
                                   num_stages)
 
 
 def testTpuStageDevices():
-  assert placement.TpuStageDevices(3) == [
+  assert tpu.TpuStageDevices(3) == [
       '/device:TPU_REPLICATED_CORE:0', '/device:TPU_REPLICATED_CORE:1',
       '/device:TPU_REPLICATED_CORE:2']
   with pytest.raises(ValueError, match='num_stages=0 must be a positive int'):
-    placement.TpuStageDevices(0)
+    tpu.TpuStageDevices(0)
 
 
 @pytest.mark.parametrize('num_stages,lingvo_cluster', [(4, False), (2, True)])
@@ -182,7 +184,7 @@ def testStageOpsArePlacedOnTpuCores(num_stages, lingvo_cluster):
     devices = None
   else:
     cluster = cluster_factory.Current()
-    devices = placement.TpuStageDevices(num_stages)
+    devices = tpu.TpuStageDevices(num_stages)
   graph = tf.Graph()
   with cluster, graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
@@ -205,4 +207,4 @@ def testLayerOnTpuUsesLogicalCores():
   """Under Lingvo's TPU flag, devices=None means the replica's cores."""
   with flagsaver.flagsaver(xla_device='tpu', enable_asserts=False):
     pipe = test_util.PipeParams(test_util.FCCells(), num_stages=4).Instantiate()
-    assert pipe.StageDevices() == placement.TpuStageDevices(4)
+    assert pipe.StageDevices() == tpu.TpuStageDevices(4)

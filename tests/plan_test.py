@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-import test_util
+import tool_util
 
 
 # name -> plan.py arguments ({tmp} is replaced by a temporary directory).
@@ -51,7 +51,7 @@ RUNS = {
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  return test_util.RunToolInParallel(
+  return tool_util.RunToolInParallel(
       'plan.py', RUNS, str(tmp_path_factory.mktemp('plan')), timeout=300)
 
 

@@ -10,7 +10,8 @@ from lingvo import model_registry
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
-import test_util
+import engine_util
+import tool_util
 
 
 def _ImportReadmeExample(folder):
@@ -19,7 +20,7 @@ def _ImportReadmeExample(folder):
   Args:
     folder: Where to write readme_example.py (Lingvo's registry wants a file).
   """
-  with open(f'{test_util.ROOT}/README.md') as f:
+  with open(f'{tool_util.ROOT}/README.md') as f:
     blocks = re.findall(r'```python\n(.*?)```', f.read(), re.S)
   (source,) = [b for b in blocks if 'RegisterSingleTaskModel' in b]
   path = folder / 'readme_example.py'
@@ -43,7 +44,7 @@ def testReadmeModelTrains(tmp_path):
     model.ConstructFPropBPropGraph()
     task = model.GetTask()
     with tf.compat.v1.Session(graph=graph,
-                              config=test_util.SessionConfig()) as sess:
+                              config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       losses = [sess.run([task.train_op, task.loss])[1] for _ in range(5)]
   assert task.stack.num_stages == 4

@@ -10,7 +10,8 @@ from lingvo import compat as tf
 from lingvo.core import layers
 from lingvo.core import py_utils
 
-from lingvo_gpipe import layers as gpipe_layers
+from lingvo_gpipe import cells
+import engine_util
 import test_util
 
 RNG = np.random.RandomState(3)
@@ -33,7 +34,7 @@ def SeededPlain(theta, x, num_micro_batches):
   ref = test_util.Reference(DropoutCells())
   outputs = []
   for m, part in enumerate(tf.split(x, num_micro_batches)):
-    with gpipe_layers.MicroBatchSeeds(tf.constant(m, tf.int64)):
+    with cells.MicroBatchSeeds(tf.constant(m, tf.int64)):
       for cell in ref.children.values():
         py_utils.ResetStepSeed(py_utils.GenerateSeedFromName(cell.path))
         part = cell.FProp(theta[cell.params.name], part)
@@ -61,7 +62,7 @@ def _Run(k):
     fetches['plain'] = [y] + tf.gradients(tf.reduce_sum(y * y),
                                           pipe.vars.Flatten() + [x])
     with tf.compat.v1.Session(graph=graph,
-                              config=test_util.SessionConfig()) as sess:
+                              config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       return sess.run(fetches)
 
@@ -73,7 +74,7 @@ def testDropoutGradientsExactInEveryRematMode(k):
   zeros = np.mean(values['plain'][0] == 0)
   assert 0.3 < zeros < 0.95, zeros
   for remat in ('always', 'except_last', 'never'):
-    test_util.AssertTransparent(values[remat], values['plain'])
+    engine_util.AssertTransparent(values[remat], values['plain'])
 
 
 def testEachMicroBatchDrawsItsOwnMask():
@@ -87,7 +88,7 @@ def testEachMicroBatchDrawsItsOwnMask():
     x = tf.tile(tf.constant(X[:2]), [NUM_MICRO_BATCHES, 1])
     y = pipe.FProp(pipe.theta, x)
     with tf.compat.v1.Session(graph=graph,
-                              config=test_util.SessionConfig()) as sess:
+                              config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       parts = np.split(sess.run(y), NUM_MICRO_BATCHES)
   masks = [tuple((p == 0).ravel()) for p in parts]

@@ -21,6 +21,7 @@ from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
 from loopback_server import LoopbackCluster
+import engine_util
 import test_util
 
 X = np.random.RandomState(0).randn(16, 8).astype(np.float32)
@@ -87,7 +88,7 @@ def testWholeTrainStepUnderXlaEqualsWithout(num_stages, num_micro_batches,
   xla_step = _EagerTrainStep(layers[1], jit_compile=True)
   for _ in range(3):
     expected = _Numpy(plain_step())
-    test_util.AssertTransparent(_Numpy(xla_step()), expected)
+    engine_util.AssertTransparent(_Numpy(xla_step()), expected)
   assert expected[0] > 0  # The step did not degenerate to zero outputs.
 
 
@@ -117,7 +118,7 @@ def _CallDevices(graph):
 def testMirroredStrategyReplicasOfAPipeline():
   """R = 2 replicas x K = 2 stages on CPU:0,1 and CPU:2,3; SGD all-reduced."""
   num_replicas, num_stages = 2, 2
-  splits = [test_util.CPUS[:2], test_util.CPUS[2:]]
+  splits = [engine_util.CPUS[:2], engine_util.CPUS[2:]]
   cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=num_replicas * num_stages,
       split_size=num_stages)
@@ -157,10 +158,10 @@ def testMirroredStrategyReplicasOfAPipeline():
 
   assert stage_devices == dict(enumerate(splits))
   assert _CallDevices(Step.get_concrete_function(iterator).graph) == {
-      (0, 0): {test_util.CPUS[0]}, (0, 1): {test_util.CPUS[1]},
-      (0, None): {test_util.CPUS[0], test_util.CPUS[1]},
-      (1, 0): {test_util.CPUS[2]}, (1, 1): {test_util.CPUS[3]},
-      (1, None): {test_util.CPUS[2], test_util.CPUS[3]}}
+      (0, 0): {engine_util.CPUS[0]}, (0, 1): {engine_util.CPUS[1]},
+      (0, None): {engine_util.CPUS[0], engine_util.CPUS[1]},
+      (1, 0): {engine_util.CPUS[2]}, (1, 1): {engine_util.CPUS[3]},
+      (1, None): {engine_util.CPUS[2], engine_util.CPUS[3]}}
 
   reference = test_util.Reference(test_util.FCCells())
   for variable, value in zip(reference.vars.Flatten(), initial):
@@ -169,7 +170,7 @@ def testMirroredStrategyReplicasOfAPipeline():
     loss = _Loss(reference, tf.constant(X), X.shape[0])
   grads = _Numpy(tape.gradient(loss, reference.vars.Flatten()))
   updated = [w - LEARNING_RATE * g for w, g in zip(initial, grads)]
-  test_util.AssertTransparent(actual, [loss.numpy()] + grads + updated)
+  engine_util.AssertTransparent(actual, [loss.numpy()] + grads + updated)
 
 
 @pytest.fixture(scope='module')
@@ -250,7 +251,7 @@ def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path):
   with tf.compat.v1.Session(graph=plain.graph) as sess:
     plain.saver.restore(sess, path)
     expected = sess.run([plain.loss] + plain.grads) + sess.run(plain.train)
-  test_util.AssertTransparent(actual, expected)
+  engine_util.AssertTransparent(actual, expected)
 
 
 class _Background:
@@ -318,4 +319,4 @@ def testKilledWorkerFailsTheStepAndCheckpointRecovers(servers, tmp_path):
       np.testing.assert_array_equal(value, saved)
     Train(sess, 2)
   for s, values in later.items():
-    test_util.AssertTransparent(history[s], values)
+    engine_util.AssertTransparent(history[s], values)

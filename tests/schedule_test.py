@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from lingvo_gpipe import schedule
+from lingvo_gpipe.planning import schedule
+from lingvo_gpipe.planning import simulate
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (1, 5), (3, 1), (4, 8), (8, 3)])
@@ -51,7 +52,7 @@ def _StepFormula(forward, backward, num_micro, remat, transfer=0.0):
 @pytest.mark.parametrize('k,m', [(1, 1), (1, 4), (2, 3), (4, 8), (8, 32),
                                  (16, 4)])
 def testSimulateEqualStagesMatchClosedForm(k, m, remat):
-  sim = schedule.Simulate([1.0] * k, [2.0] * k, m, remat=remat)
+  sim = simulate.Simulate([1.0] * k, [2.0] * k, m, remat=remat)
   assert sim.bubble_fraction == pytest.approx(schedule.BubbleFraction(k, m))
   call = 3.0 if remat == 'always' else 2.0
   assert sim.forward_time == m + k - 1
@@ -63,8 +64,8 @@ def testSimulateUnevenStagesByHand():
   # K = 2, M = 2, forward 1 and 3, backward 2 and 4, no recompute:
   #   stage 0: F0 [0, 1], F1 [1, 2],                   B1 [11, 13], B0 [15, 17]
   #   stage 1:   F0 [1, 4], F1 [4, 7], B1 [7, 11], B0 [11, 15]
-  sim = schedule.Simulate([1, 3], [2, 4], num_micro_batches=2, remat='never')
-  E = schedule.Event  # pylint: disable=invalid-name
+  sim = simulate.Simulate([1, 3], [2, 4], num_micro_batches=2, remat='never')
+  E = simulate.Event  # pylint: disable=invalid-name
   assert sim.events == [
       E(0, 0, 'forward', 0, 1), E(0, 1, 'forward', 1, 2),
       E(0, 1, 'backward', 11, 13), E(0, 0, 'backward', 15, 17),
@@ -75,7 +76,7 @@ def testSimulateUnevenStagesByHand():
   assert sim.utilization == pytest.approx([6 / 17, 14 / 17])
   assert sim.bubble_fraction == pytest.approx(1 - 20 / 34)
   # With remat every backward call first recomputes its forward.
-  sim = schedule.Simulate([1, 3], [2, 4], num_micro_batches=2)
+  sim = simulate.Simulate([1, 3], [2, 4], num_micro_batches=2)
   assert [e for e in sim.events if e.stage == 1 and e.phase != 'forward'] == [
       E(1, 1, 'recompute', 7, 10), E(1, 1, 'backward', 10, 14),
       E(1, 0, 'recompute', 14, 17), E(1, 0, 'backward', 17, 21),
@@ -89,18 +90,18 @@ def testSimulateUnevenStagesFollowFlowShopFormula(remat):
   backward = [1.0, 3.5, 2.0, 2.5, 1.0]
   for m in (1, 2, 7):
     for transfer in (0.0, 0.3):
-      sim = schedule.Simulate(forward, backward, m, remat, transfer)
+      sim = simulate.Simulate(forward, backward, m, remat, transfer)
       assert sim.step_time == pytest.approx(
           _StepFormula(forward, backward, m, remat, transfer))
   # The slowest stage sets the pace: the bubble exceeds the closed form.
-  sim = schedule.Simulate(forward, backward, 8, remat)
+  sim = simulate.Simulate(forward, backward, 8, remat)
   assert sim.bubble_fraction > schedule.BubbleFraction(5, 8)
 
 
 def testSimulateTransferCost():
   k, m = 4, 8
-  base = schedule.Simulate([1.0] * k, [2.0] * k, m)
-  slow = schedule.Simulate([1.0] * k, [2.0] * k, m, transfer_cost=0.5)
+  base = simulate.Simulate([1.0] * k, [2.0] * k, m)
+  slow = simulate.Simulate([1.0] * k, [2.0] * k, m, transfer_cost=0.5)
   # Each of the forward and backward passes crosses K - 1 stage boundaries.
   assert slow.step_time == pytest.approx(base.step_time + 2 * (k - 1) * 0.5)
   assert slow.bubble_fraction > base.bubble_fraction
@@ -114,11 +115,11 @@ def testSimulateTransferCost():
     ('never', 4, 4),  # Every call keeps its input and activations.
 ])
 def testSimulateMemoryModel(remat, inputs, activations):
-  sim = schedule.Simulate([1, 1], [2, 2], 4, remat)
+  sim = simulate.Simulate([1, 1], [2, 2], 4, remat)
   assert sim.peak_inputs == [inputs, inputs]
   assert sim.peak_activations == [activations, activations]
   assert sim.peak_memory == [activations, activations]  # Inputs count 0.
-  sim = schedule.Simulate([1, 1], [2, 2], 4, remat, input_memory=[10, 20],
+  sim = simulate.Simulate([1, 1], [2, 2], 4, remat, input_memory=[10, 20],
                           activation_memory=[100, 300])
   assert sim.peak_memory == [inputs * 10 + activations * 100,
                              inputs * 20 + activations * 300]
@@ -126,7 +127,7 @@ def testSimulateMemoryModel(remat, inputs, activations):
 
 def testSimulateOneMicroBatchHoldsOneCall():
   for remat in schedule.REMAT_MODES:
-    sim = schedule.Simulate([1], [1], 1, remat, input_memory=[1])
+    sim = simulate.Simulate([1], [1], 1, remat, input_memory=[1])
     assert (sim.peak_inputs, sim.peak_activations, sim.peak_memory) == (
         [1], [1], [2])
 
@@ -134,7 +135,7 @@ def testSimulateOneMicroBatchHoldsOneCall():
 @pytest.mark.parametrize('remat', schedule.REMAT_MODES)
 def testSimulatedEventsFollowTheGPipeOrder(remat):
   k, m, transfer = 3, 5, 0.25
-  sim = schedule.Simulate([1.0, 2.0, 0.5], [2.0, 1.0, 3.0], m, remat, transfer)
+  sim = simulate.Simulate([1.0, 2.0, 0.5], [2.0, 1.0, 3.0], m, remat, transfer)
   events = {(e.stage, e.micro_batch, e.phase): e for e in sim.events}
   assert len(events) == len(sim.events)
 
@@ -160,7 +161,7 @@ def testSimulatedEventsFollowTheGPipeOrder(remat):
             events[stage - 1, i, 'forward'].end + transfer)
         assert CallStart(stage - 1, i) >= (
             events[stage, i, 'backward'].end + transfer)
-  occupancy = schedule.StageOccupancy(sim.events, k)
+  occupancy = simulate.StageOccupancy(sim.events, k)
   assert occupancy.step_time == pytest.approx(sim.step_time)
   assert occupancy.bubble_fraction == pytest.approx(sim.bubble_fraction)
   assert occupancy.utilization == pytest.approx(sim.utilization)
@@ -169,7 +170,7 @@ def testSimulatedEventsFollowTheGPipeOrder(remat):
 def testSimulateLargePipelineIsFast():
   # A stated bound of the simulator: K = 128, M = 1024 well under a second.
   start = time.perf_counter()
-  sim = schedule.Simulate([1.0] * 128, [2.0] * 128, 1024)
+  sim = simulate.Simulate([1.0] * 128, [2.0] * 128, 1024)
   elapsed = time.perf_counter() - start
   assert elapsed < 1.0, elapsed
   assert sim.bubble_fraction == pytest.approx(
@@ -195,20 +196,20 @@ def testSimulateRejectsBadArguments(kwargs, message):
   args = dict(forward_costs=[1, 1], backward_costs=[2, 2], num_micro_batches=2)
   args.update(kwargs)
   with pytest.raises(ValueError, match=message):
-    schedule.Simulate(**args)
+    simulate.Simulate(**args)
 
 
 def testStageOccupancy():
-  events = [schedule.Event(0, 0, 'forward', 1.0, 2.0),
-            schedule.Event(1, 0, 'forward', 2.0, 5.0)]
-  occupancy = schedule.StageOccupancy(events, 2)
+  events = [simulate.Event(0, 0, 'forward', 1.0, 2.0),
+            simulate.Event(1, 0, 'forward', 2.0, 5.0)]
+  occupancy = simulate.StageOccupancy(events, 2)
   assert occupancy.step_time == 4.0
   assert occupancy.utilization == [0.25, 0.75]
   assert occupancy.bubble_fraction == 0.5
   with pytest.raises(ValueError, match=r'stage=1, outside \[0, 1\)'):
-    schedule.StageOccupancy(events, 1)
+    simulate.StageOccupancy(events, 1)
   with pytest.raises(ValueError, match='events is empty'):
-    schedule.StageOccupancy([], 1)
+    simulate.StageOccupancy([], 1)
 
 
 def testRecomputes():

@@ -1,12 +1,8 @@
-"""Helpers shared by the tests: cell stacks, references and runners."""
+"""Helpers of the Lingvo layer tests: cell stacks, references and runners."""
 
 import collections
-import os
 import re
-import subprocess
-import sys
 
-import numpy as np
 from lingvo import compat as tf
 from lingvo.core import builder_layers
 from lingvo.core import layers
@@ -15,49 +11,7 @@ from lingvo.core import py_utils
 from lingvo_gpipe import GPipeSequentialLayer
 from params import lm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_DEVICES = 4
-CPUS = [f'/job:localhost/replica:0/task:0/device:CPU:{i}'
-        for i in range(NUM_DEVICES)]
-
-
-def SessionConfig():
-  """A TF1 session config with the four CPU devices the tests use."""
-  return tf.compat.v1.ConfigProto(device_count={'CPU': NUM_DEVICES})
-
-
-def RelErr(actual, expected, floor=0.0):
-  """max |actual - expected| / max(max |expected|, floor); 0 if equal."""
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  if not expected.size:
-    return 0.0
-  diff = np.max(np.abs(actual - expected))
-  return 0.0 if diff == 0 else diff / max(np.max(np.abs(expected)), floor)
-
-
-def AssertTransparent(actual_values, expected_values, tol=1e-5):
-  """Every tensor matches to relative error < tol.
-
-  A tensor whose expected value is mathematically zero (e.g. the gradient of
-  an attention key bias, which softmax ignores) holds only float round-off of
-  the size of 1e-8 of the largest tensor; it can have no relative error, so
-  both sides must stay below 1e-6 of the largest tensor instead.
-
-  Args:
-    actual_values: Arrays from the pipeline.
-    expected_values: Arrays from the reference, same shapes.
-    tol: The largest relative error allowed.
-  """
-  assert len(actual_values) == len(expected_values)
-  zero = 1e-6 * max(
-      np.max(np.abs(e)) if np.size(e) else 0.0 for e in expected_values)
-  for i, (a, e) in enumerate(zip(actual_values, expected_values)):
-    assert np.shape(a) == np.shape(e), (i, np.shape(a), np.shape(e))
-    if np.size(e) and np.max(np.abs(e)) < zero:
-      assert np.max(np.abs(a)) < zero, f'tensor {i} should be ~0: {a}'
-    else:
-      err = RelErr(a, e)
-      assert err < tol, f'tensor {i}: relative error {err}'
+import engine_util
 
 
 def FCCells(num_cells=4, dim=8):
@@ -163,7 +117,7 @@ def RunGraph(pipe_params, cell_fn, inputs, fetch_extra=None):
       grads = tf.gradients(_Loss(out), _Wrt(pipe, xs))
       fetches.append(_Outputs(out) + [tf.convert_to_tensor(g) for g in grads])
     extra = fetch_extra(graph, pipe) if fetch_extra else []
-    with tf.compat.v1.Session(graph=graph, config=SessionConfig()) as sess:
+    with tf.compat.v1.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       return sess.run(fetches + [extra])
 
@@ -186,39 +140,3 @@ def RunFunction(pipe_params, cell_fn, inputs, jit_compile=False):
     return results
 
   return [[t.numpy() for t in r] for r in Step()]
-
-
-def RunToolInParallel(tool, runs, tmp, timeout):
-  """Runs `python tools/<tool>` once per entry of `runs`, all at once.
-
-  Args:
-    tool: File name in tools/, e.g. 'plan.py'.
-    runs: {name: argument list}; '{tmp}' in an argument becomes `tmp`.
-    tmp: A scratch folder.
-    timeout: Seconds each run may take.
-
-  Returns:
-    {name: (exit code, stdout, stderr)} plus 'tmp': tmp.
-  """
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(
-      [ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  procs = {
-      name: subprocess.Popen(
-          [sys.executable, os.path.join('tools', tool)] +
-          [a.format(tmp=tmp) for a in args],
-          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-          text=True) for name, args in runs.items()
-  }
-  results = {'tmp': tmp}
-  try:
-    for name, proc in procs.items():
-      stdout, stderr = proc.communicate(timeout=timeout)
-      results[name] = (proc.returncode, stdout, stderr)
-  finally:  # A run that timed out (or a failure here) leaves nothing behind.
-    for proc in procs.values():
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-  return results

@@ -20,9 +20,10 @@ import pytest
 from lingvo import compat as tf
 from lingvo.core import cluster_factory
 
-import test_util
+import engine_util
+import tool_util
 
-sys.path.insert(0, os.path.join(test_util.ROOT, 'tools'))
+sys.path.insert(0, os.path.join(tool_util.ROOT, 'tools'))
 import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODEL = 'lm.GPipeCharLmTiny'
@@ -70,10 +71,10 @@ def _KillAfterFirstCheckpoint(tmp):
   """
   args = [a.format(tmp=tmp) for a in COMMON] + [
       f'--logdir={tmp}/killed', '--max_steps=100000']
-  env = dict(os.environ, PYTHONPATH=test_util.ROOT)
+  env = dict(os.environ, PYTHONPATH=tool_util.ROOT)
   proc = subprocess.Popen(
       [sys.executable, os.path.join('tools', 'train.py')] + args,
-      cwd=test_util.ROOT, env=env, stdout=subprocess.DEVNULL,
+      cwd=tool_util.ROOT, env=env, stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL)
 
   def Watch():
@@ -95,11 +96,11 @@ def _KillAfterFirstCheckpoint(tmp):
 def runs(tmp_path_factory):
   tmp = str(tmp_path_factory.mktemp('train'))
   watcher = _KillAfterFirstCheckpoint(tmp)
-  results = test_util.RunToolInParallel('train.py', RUNS, tmp, timeout=600)
+  results = tool_util.RunToolInParallel('train.py', RUNS, tmp, timeout=600)
   watcher.join()
   results['killed_at'] = _Checkpoint(f'{tmp}/killed')
   results.update(
-      test_util.RunToolInParallel('train.py', AFTER, tmp, timeout=600))
+      tool_util.RunToolInParallel('train.py', AFTER, tmp, timeout=600))
   return results
 
 
@@ -162,7 +163,7 @@ def testKilledRunResumesWithIdenticalVariables(runs):
   assert set(names) == set(uninterrupted.get_variable_to_shape_map())
   assert len(names) > 50  # Weights, Adam slots, global step.
   for name in names:
-    test_util.AssertTransparent([restarted.get_tensor(name)],
+    engine_util.AssertTransparent([restarted.get_tensor(name)],
                                 [uninterrupted.get_tensor(name)], tol=1e-6)
 
 

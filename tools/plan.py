@@ -13,7 +13,7 @@ Subcommands (the first argument that is not a flag):
              (their cells, cost, share, memory, imbalance) next to Lingvo's
              heuristic (`gpipe.PartitionSequentialLayers`).
   simulate   Times one step from per-stage forward/backward costs with
-             `schedule.Simulate`: step time, bubble fraction (next to the
+             `simulate.Simulate`: step time, bubble fraction (next to the
              closed form), per-stage utilization and peak activation memory;
              optionally draws the schedule (--png_out, --trace_out).
   timeline   Runs a real training step of a small GPipeSequentialLayer (FC
@@ -30,18 +30,18 @@ TensorFlow, Lingvo and matplotlib are imported only by the subcommands that
 need them, so that `simulate` answers in well under a second.
 """
 
-import collections
-import json
 import math
-import re
-from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence,
-                    Tuple)
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
 import cli  # tools/cli.py
-from lingvo_gpipe import partition as partition_lib
-from lingvo_gpipe import schedule
+from lingvo_gpipe.engine import trace
+from lingvo_gpipe.planning import partition as partition_lib
+from lingvo_gpipe.planning import report
+from lingvo_gpipe.planning import schedule
+from lingvo_gpipe.planning import simulate
+from lingvo_gpipe.planning import timeline
 
 FLAGS = flags.FLAGS
 
@@ -121,14 +121,6 @@ flags.DEFINE_string(
 
 _DEFAULT_EXAMPLE_STAGES = (4, 8)
 
-# Picture and trace colours of the phases of a stage call.
-PHASE_COLORS = {
-    'forward': '#4C72B0',
-    'recompute': '#DD8452',
-    'backward': '#55A868',
-}
-# Label boxes with their micro-batch only if there are at most this many.
-_MAX_LABELLED_EVENTS = 600
 
 
 class PlanError(ValueError):
@@ -242,10 +234,6 @@ def Partition(args: Sequence[str]) -> Dict[str, Any]:
     raise PlanError(f'partition takes no positional arguments, got {args}.')
   costs, names, memory, memory_limit, stage_counts, source = (
       _PartitionInputs())
-  # costs.py imports Lingvo (seconds); only this subcommand needs it.
-  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import costs as costs_lib
-  # pylint: enable=g-import-not-at-top
   results = []
   for num_stages in stage_counts:
     try:
@@ -254,16 +242,16 @@ def Partition(args: Sequence[str]) -> Dict[str, Any]:
     except ValueError as e:
       raise PlanError(f'--num_stages={num_stages}: {e}') from e
     print(f'=== K={num_stages} ===')
-    print(costs_lib.PartitionReport(costs, ours, memory, names, memory_limit))
+    print(report.PartitionReport(costs, ours, memory, names, memory_limit))
     result = {
         'num_stages': num_stages,
-        'ours': costs_lib.PartitionSummary(costs, ours, memory, names),
+        'ours': report.PartitionSummary(costs, ours, memory, names),
         'lingvo': None,
     }
     line = f'K={num_stages}: imbalance ours {result["ours"]["imbalance"]:.3f}'
     if sum(costs) > 0:
       lingvo = partition_lib.LingvoPartition(costs, num_stages)
-      result['lingvo'] = costs_lib.PartitionSummary(costs, lingvo, memory,
+      result['lingvo'] = report.PartitionSummary(costs, lingvo, memory,
                                                     names)
       line += f', Lingvo {result["lingvo"]["imbalance"]:.3f}'
     print(line + '\n')
@@ -310,117 +298,15 @@ def _NumMicroBatches() -> int:
   return FLAGS.num_micro_batches
 
 
-def _TimeUnit(span: float) -> Tuple[float, str]:
-  """(factor, unit name) to show times of a step lasting `span` seconds."""
-  for factor, unit in ((1.0, 's'), (1e3, 'ms')):
-    if span * factor >= 1.0:
-      return factor, unit
-  return 1e6, 'us'
-
-
-def DrawTimeline(events: Sequence[schedule.Event], num_stages: int, path: str,
-                 title: str, time_unit: Optional[Tuple[float, str]] = None
-                ) -> None:
-  """Draws a step as a PNG: one row per stage, one box per call phase.
-
-  Boxes are coloured by phase (`PHASE_COLORS`) and, when there are few enough
-  to read, labelled with their micro-batch, so the pipeline's fill, steady
-  state and drain show at a glance.
-
-  Args:
-    events: The step's events (simulated or measured), times in seconds.
-    num_stages: K, the number of rows.
-    path: Where to write the PNG.
-    title: The picture's title.
-    time_unit: (factor, name) for the time axis; default: chosen from the
-      step's length (s, ms or us).
-  """
-  # Only the subcommands that draw need matplotlib (it takes a while to load).
-  # pylint: disable=g-import-not-at-top
-  from matplotlib import figure
-  from matplotlib import patches
-  # pylint: enable=g-import-not-at-top
-  end = max(e.end for e in events)
-  factor, unit = time_unit or _TimeUnit(end)
-  height = 1.5 + min(0.5 * num_stages, 6 + 0.12 * num_stages)
-  fig = figure.Figure(figsize=(12, height), layout='constrained')
-  ax = fig.add_subplot()
-  boxes = collections.defaultdict(list)
-  for e in events:
-    boxes[e.stage, e.phase].append(
-        (e.start * factor, (e.end - e.start) * factor))
-  edge = 0.5 if len(events) <= _MAX_LABELLED_EVENTS * 4 else 0.0
-  for (stage, phase), ranges in boxes.items():
-    ax.broken_barh(ranges, (stage - 0.4, 0.8),
-                   facecolors=PHASE_COLORS[phase], edgecolor='white',
-                   linewidth=edge)
-  if len(events) <= _MAX_LABELLED_EVENTS:
-    min_width = end * factor / 120
-    for e in events:
-      width = (e.end - e.start) * factor
-      if width >= min_width:
-        ax.text((e.start * factor) + width / 2, e.stage, str(e.micro_batch),
-                ha='center', va='center', fontsize=7, color='white')
-  ax.set_ylim(num_stages - 0.5, -0.5)
-  step = max(1, num_stages // 32)
-  ax.set_yticks(range(0, num_stages, step))
-  ax.set_yticklabels([f'stage {k}' for k in range(0, num_stages, step)])
-  ax.set_xlim(0, end * factor)
-  ax.set_xlabel(f'time ({unit})')
-  ax.set_title(title, fontsize=10)
-  ax.grid(axis='x', alpha=0.3)
-  ax.legend(
-      handles=[patches.Patch(color=c, label=p)
-               for p, c in PHASE_COLORS.items()],
-      loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=8)
-  fig.savefig(path, dpi=110)
-
-
-def WriteChromeTrace(events: Sequence[schedule.Event], num_stages: int,
-                     path: str, name: str) -> None:
-  """Writes a step as a Chrome trace: one thread (row) per stage.
-
-  Each call phase is a complete ('X') event named '<phase> <micro-batch>',
-  with the phase as its category; times are microseconds.
-
-  Args:
-    events: The step's events, times in seconds.
-    num_stages: K.
-    path: Where to write the JSON.
-    name: The process name shown above the rows.
-  """
-  trace = [{'name': 'process_name', 'ph': 'M', 'pid': 0,
-            'args': {'name': name}}]
-  for k in range(num_stages):
-    trace.append({'name': 'thread_name', 'ph': 'M', 'pid': 0, 'tid': k,
-                  'args': {'name': f'stage {k}'}})
-    trace.append({'name': 'thread_sort_index', 'ph': 'M', 'pid': 0,
-                  'tid': k, 'args': {'sort_index': k}})
-  for e in events:
-    trace.append({
-        'name': f'{e.phase} {e.micro_batch}',
-        'cat': e.phase,
-        'ph': 'X',
-        'ts': e.start * 1e6,
-        'dur': (e.end - e.start) * 1e6,
-        'pid': 0,
-        'tid': e.stage,
-        'args': {'stage': e.stage, 'micro_batch': e.micro_batch,
-                 'phase': e.phase},
-    })
-  with open(path, 'w') as f:
-    json.dump({'traceEvents': trace, 'displayTimeUnit': 'ms'}, f)
-
-
-def _WriteOutputs(events: Sequence[schedule.Event], num_stages: int,
+def _WriteOutputs(events: Sequence[simulate.Event], num_stages: int,
                   title: str,
                   time_unit: Optional[Tuple[float, str]] = None) -> None:
   """Writes --png_out and --trace_out if given."""
   if FLAGS.png_out:
-    DrawTimeline(events, num_stages, FLAGS.png_out, title, time_unit)
+    timeline.DrawTimeline(events, num_stages, FLAGS.png_out, title, time_unit)
     print(f'Wrote {FLAGS.png_out}')
   if FLAGS.trace_out:
-    WriteChromeTrace(events, num_stages, FLAGS.trace_out, title)
+    timeline.WriteChromeTrace(events, num_stages, FLAGS.trace_out, title)
     print(f'Wrote {FLAGS.trace_out}')
 
 
@@ -457,7 +343,7 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
                                 num_stages)
   num_micro = _NumMicroBatches()
   try:
-    sim = schedule.Simulate(forward, backward, num_micro, FLAGS.remat,
+    sim = simulate.Simulate(forward, backward, num_micro, FLAGS.remat,
                             FLAGS.transfer_cost, input_memory,
                             activation_memory)
   except ValueError as e:
@@ -498,148 +384,6 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
       'peak_inputs': sim.peak_inputs,
       'peak_activations': sim.peak_activations,
   }
-
-
-class Kernel(NamedTuple):
-  """One kernel of a traced step."""
-  name: str  # The node name.
-  op: str  # The op type ('' if the trace does not say).
-  device: str  # Where it ran.
-  start: int  # Microseconds.
-  end: int  # Microseconds.
-
-
-# Name scope of the engine's ops (`GPipeSequentialLayer` passes 'gpipe'); the
-# m-th call of stage k runs under 'stage{k}' (m = 0) or 'stage{k}_{m}'.
-_STAGE_SCOPE = r'gpipe/stage(\d+)(?:_(\d+))?/'
-_CALL = r'((?:Stateful)?PartitionedCall(?:_\d+)?)(?:/(.+))?$'
-# Forward: the stage's tf.function call, inlined (its body kernels are named
-# <scope>/StatefulPartitionedCall/<body node>) or not (the call node itself).
-_FORWARD_RE = re.compile(r'(?:.*/)?' + _STAGE_SCOPE + _CALL)
-# Backward: the gradient function of that call (recompute.py's or
-# TensorFlow's), named gradients/.../<scope>/<op>_grad/StatefulPartitionedCall.
-# Not inlined, its body kernels show their own names (e.g. 'fc0/MatMul' for
-# the recompute, 'gradients/fc0/MatMul_grad/MatMul' for the backward).
-_BACKWARD_RE = re.compile(r'gradients(?:_\d+)?/(?:.*/)?' + _STAGE_SCOPE +
-                          r'[^/]+_grad/' + _CALL)
-# Op types that do no work of a call (transfers, graph plumbing).
-_PLUMBING_OPS = frozenset(['_Send', '_Recv', '_HostSend', '_HostRecv', 'NoOp',
-                           '_Arg', '_Retval', 'Identity', 'IdentityN'])
-_LABEL_RE = re.compile(r'^\S+ = ([\w.]+)\((.*)\)')
-# Nodes the graph partitioner adds (transfers, control edges): '.../_<n>'.
-_PARTITIONER_NODE_RE = re.compile(r'(^|/)_\d+$')
-
-
-def StepKernels(step_stats: Any) -> List[Kernel]:
-  """The kernels of a `RunMetadata.step_stats` that work on their inputs.
-
-  Kernels without inputs (constants, variable handles, arguments) and the
-  partitioner's transfer and control nodes (`.../_<n>`) are left out: they
-  run whenever the executor gets to them, not when their call runs.
-
-  Args:
-    step_stats: A `tf.compat.v1.RunMetadata().step_stats`.
-
-  Returns:
-    The kernels, with times in microseconds.
-  """
-  kernels = []
-  for dev_stats in step_stats.dev_stats:
-    for node in dev_stats.node_stats:
-      label = _LABEL_RE.match(node.timeline_label)
-      op, inputs = label.groups() if label else ('', '?')
-      if (not inputs or op in _PLUMBING_OPS or
-          _PARTITIONER_NODE_RE.search(node.node_name)):
-        continue
-      kernels.append(
-          Kernel(node.node_name, op, dev_stats.device, node.all_start_micros,
-                 node.all_start_micros + node.all_end_rel_micros))
-  return kernels
-
-
-def _Window(kernels: Sequence[Kernel]) -> Tuple[int, int]:
-  return min(k.start for k in kernels), max(k.end for k in kernels)
-
-
-def StepEvents(kernels: Sequence[Kernel], num_stages: int, num_micro: int,
-               remat: str) -> Tuple[List[schedule.Event], Dict[int, List[str]]]:
-  """Which stage ran which micro-batch and phase when, in a traced step.
-
-  A call's forward spans the kernels of its (inlined) forward function; its
-  backward spans its gradient function call. For calls that recompute, the
-  recompute is the part of the gradient call up to the end of the last kernel
-  that repeats a forward kernel of the same stage (same node name inside the
-  function), and the backward the rest (if no such kernel shows, the whole
-  call counts as backward).
-
-  Args:
-    kernels: From `StepKernels`.
-    num_stages: K.
-    num_micro: M.
-    remat: The pipeline's remat mode.
-
-  Returns:
-    (events, devices): the events with times in seconds from the step's first
-    event, ordered by stage and start; and for each stage, the devices its
-    kernels ran on.
-
-  Raises:
-    PlanError: if a call's kernels are missing from the trace.
-  """
-  forward = collections.defaultdict(list)
-  backward = collections.defaultdict(list)
-  inlined_backward = collections.defaultdict(list)
-  body_names = collections.defaultdict(set)
-  for kernel in kernels:
-    match = _BACKWARD_RE.match(kernel.name)
-    if match:
-      key = (int(match.group(1)), int(match.group(2) or 0))
-      backward[key].append(kernel)
-      if match.group(4):
-        inlined_backward[key].append((match.group(4), kernel))
-      continue
-    match = (None if kernel.name.startswith('gradients')
-             else _FORWARD_RE.match(kernel.name))
-    if match:
-      k = int(match.group(1))
-      forward[k, int(match.group(2) or 0)].append(kernel)
-      if match.group(4):
-        body_names[k].add(match.group(4))
-  by_device = collections.defaultdict(list)
-  for kernel in kernels:
-    by_device[kernel.device].append(kernel)
-
-  raw, devices = [], collections.defaultdict(set)
-  for k in range(num_stages):
-    for m in range(num_micro):
-      for phase, calls in (('forward', forward), ('backward', backward)):
-        if not calls.get((k, m)):
-          raise PlanError(
-              f'no {phase} kernels of stage {k}, micro-batch {m} in the step '
-              "stats; the engine's op names may have changed (expected "
-              "'gpipe/stage<k>_<m>/StatefulPartitionedCall...' and "
-              "'gradients/.../gpipe/stage<k>_<m>/<op>_grad/"
-              "StatefulPartitionedCall...').")
-        devices[k].update(kernel.device for kernel in calls[k, m])
-      raw.append((k, m, 'forward') + _Window(forward[k, m]))
-      start, end = _Window(backward[k, m])
-      if schedule.Recomputes(remat, m, num_micro):
-        call_device = backward[k, m][0].device
-        repeats = [kernel for name, kernel in inlined_backward[k, m]
-                   if name in body_names[k]]
-        repeats += [kernel for kernel in by_device[call_device]
-                    if start <= kernel.start and kernel.end <= end and
-                    kernel.name in body_names[k]]
-        if repeats:
-          split = max(kernel.end for kernel in repeats)
-          raw.append((k, m, 'recompute', start, split))
-          start = split
-      raw.append((k, m, 'backward', start, end))
-  first = min(r[3] for r in raw)
-  events = [schedule.Event(k, m, phase, (s - first) * 1e-6, (e - first) * 1e-6)
-            for k, m, phase, s, e in raw]
-  events.sort(key=lambda e: (e.stage, e.start))
-  return events, {k: sorted(d) for k, d in devices.items()}
 
 
 def RecordStep(num_stages: int, num_micro: int, remat: str,
@@ -703,7 +447,7 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
   return run_metadata.step_stats
 
 
-def _MeanDuration(events: Sequence[schedule.Event], stage: int,
+def _MeanDuration(events: Sequence[simulate.Event], stage: int,
                   phase: str) -> float:
   """Mean duration of the stage's calls of one phase (0.0 if none)."""
   times = [e.end - e.start for e in events
@@ -733,10 +477,13 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   step_stats = RecordStep(num_stages, num_micro, remat, FLAGS.cells_per_stage,
                           FLAGS.fc_dim, FLAGS.micro_batch_size,
                           FLAGS.warmup_steps)
-  events, devices = StepEvents(StepKernels(step_stats), num_stages, num_micro,
-                               remat)
-  occupancy = schedule.StageOccupancy(events, num_stages)
-  factor, unit = _TimeUnit(occupancy.step_time)
+  try:
+    events, devices = trace.StepEvents(
+        trace.StepKernels(step_stats), num_stages, num_micro, remat)
+  except ValueError as e:
+    raise PlanError(str(e)) from e
+  occupancy = simulate.StageOccupancy(events, num_stages)
+  factor, unit = timeline.TimeUnit(occupancy.step_time)
   print(f'Traced GPipe step: K={num_stages} stages on {num_stages} CPU '
         f'devices, M={num_micro} micro-batches, remat={remat}, '
         f'{FLAGS.cells_per_stage} FC cells of {FLAGS.fc_dim} per stage, '
@@ -763,7 +510,7 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   # The simulator fed with these means assumes one free device per stage;
   # here K logical devices share the host's cores. A recompute is timed as
   # part of its backward call (measured, it is not just another forward).
-  sim = schedule.Simulate(
+  sim = simulate.Simulate(
       means['forward'],
       [r + b for r, b in zip(means['recompute'], means['backward'])],
       num_micro, 'never')

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tensorflow.python.eager.polymorphic_function import attributes as _tf_attributes
 # pylint: enable=g-direct-tensorflow-import
 
-from lingvo_gpipe import recompute
+from lingvo_gpipe.engine import recompute
 
 _NO_SPECIALIZE = '_nospecialize'
 

@@ -1,13 +1,9 @@
-"""The GPipe schedule: which (stage, micro-batch) runs at which clock tick.
+"""Times and sizes a GPipe step from per-stage costs, without running it.
 
-Pure Python, no TensorFlow. The engine builds its graph in this order, and the
-arithmetic users plan with (bubble fraction, ticks per step) lives here too,
-as does `Simulate`, which times a step from per-stage costs.
+Pure Python. `Simulate` replays the engine's order of calls with given forward
+and backward costs; `StageOccupancy` reads the same numbers (step time, bubble,
+utilization) off simulated or measured events.
 
-    >>> GPipeSchedule(num_stages=2, num_micro_batches=3)
-    [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(1, 2)]]
-    >>> BubbleFraction(num_stages=4, num_micro_batches=12)
-    0.2
     >>> Simulate([1.0, 1.0], [2.0, 2.0], num_micro_batches=3).bubble_fraction
     0.25
 """
@@ -17,73 +13,15 @@ import functools
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-# Which stage calls recompute their forward pass in the backward pass. The
-# engine (pipeline.py) uses these too; they live here so that planning needs no
-# TensorFlow.
-REMAT_MODES = ('always', 'except_last', 'never')
-
-# The phases of a stage call, in the order they run.
-PHASES = ('forward', 'recompute', 'backward')
-
-
-def CheckPositiveInt(name: str, value: int) -> None:
-  """Raises ValueError naming `name` unless `value` is an int >= 1."""
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f'{name}={value!r} must be a positive int.')
-
-
-def GPipeSchedule(num_stages: int,
-                  num_micro_batches: int) -> List[List[Tuple[int, int]]]:
-  """The forward clock ticks of a GPipe step.
-
-  At clock t, stage k works on micro-batch t - k (when that is in range), so the
-  pipeline fills for K - 1 ticks, runs full, and drains for K - 1 ticks. The
-  backward pass runs the same ticks in reverse.
-
-  Args:
-    num_stages: K, the number of pipeline stages.
-    num_micro_batches: M, the number of micro-batches per mini-batch.
-
-  Returns:
-    A list of M + K - 1 ticks; tick t lists the (stage, micro_batch) pairs that
-    run at clock t, by increasing stage.
-
-  Raises:
-    ValueError: if K or M is not a positive int.
-  """
-  CheckPositiveInt('num_stages', num_stages)
-  CheckPositiveInt('num_micro_batches', num_micro_batches)
-  ticks = []
-  for clock in range(num_micro_batches + num_stages - 1):
-    ticks.append([(stage, clock - stage)
-                  for stage in range(num_stages)
-                  if 0 <= clock - stage < num_micro_batches])
-  return ticks
-
-
-def BubbleFraction(num_stages: int, num_micro_batches: int) -> float:
-  """Idle fraction of a GPipe step with equal stages: (K - 1) / (M + K - 1).
-
-  Args:
-    num_stages: K, the number of pipeline stages.
-    num_micro_batches: M, the number of micro-batches per mini-batch.
-
-  Returns:
-    The fraction of stage-ticks in which a stage has no work.
-
-  Raises:
-    ValueError: if K or M is not a positive int.
-  """
-  CheckPositiveInt('num_stages', num_stages)
-  CheckPositiveInt('num_micro_batches', num_micro_batches)
-  return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+from lingvo_gpipe.planning import checks
+from lingvo_gpipe.planning import schedule
 
 
 class Event(NamedTuple):
   """One phase of one stage call: what a stage did from `start` to `end`."""
   stage: int
   micro_batch: int
-  phase: str  # One of PHASES.
+  phase: str  # One of schedule.PHASES.
   start: float
   end: float
 
@@ -151,33 +89,6 @@ class Simulation:
     return events
 
 
-def CheckRemat(remat: str) -> None:
-  """Raises ValueError unless `remat` is one of `REMAT_MODES`."""
-  if remat not in REMAT_MODES:
-    raise ValueError(f'remat={remat!r} is not supported; use one of '
-                     f'{list(REMAT_MODES)}.')
-
-
-def Recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
-  """Whether a training call on `micro_batch` recomputes its forward pass.
-
-  Args:
-    remat: One of `REMAT_MODES`.
-    micro_batch: The micro-batch index m, 0 <= m < M.
-    num_micro_batches: M.
-
-  Returns:
-    True for 'always', for 'except_last' unless m is the last micro-batch,
-    False for 'never'.
-
-  Raises:
-    ValueError: if `remat` is not one of `REMAT_MODES`.
-  """
-  CheckRemat(remat)
-  return remat == 'always' or (remat == 'except_last' and
-                               micro_batch < num_micro_batches - 1)
-
-
 def StageOccupancy(events: Sequence[Event], num_stages: int) -> Occupancy:
   """Step time, bubble fraction and per-stage utilization of some events.
 
@@ -197,7 +108,7 @@ def StageOccupancy(events: Sequence[Event], num_stages: int) -> Occupancy:
     ValueError: if K is not a positive int, there are no events, or an event's
       stage is out of range.
   """
-  CheckPositiveInt('num_stages', num_stages)
+  checks.CheckPositiveInt('num_stages', num_stages)
   if not events:
     raise ValueError('events is empty; a step has at least one event.')
   busy = [0.0] * num_stages
@@ -258,10 +169,10 @@ def _MemoryCheckpoints(num_micro_batches: int,
     inputs += 1
     activations += 1
     pairs.add((inputs, activations))
-    if Recomputes(remat, m, num_micro_batches):
+    if schedule.Recomputes(remat, m, num_micro_batches):
       activations -= 1
   for m in reversed(range(num_micro_batches)):
-    if Recomputes(remat, m, num_micro_batches):
+    if schedule.Recomputes(remat, m, num_micro_batches):
       activations += 1
     pairs.add((inputs, activations))
     inputs -= 1
@@ -284,8 +195,8 @@ def Simulate(forward_costs: Sequence[float],
             ) -> Simulation:
   """Times one GPipe training step from per-stage costs.
 
-  The step runs as the engine (`pipeline.Pipeline`) orders it; a stage does
-  one thing at a time and nothing waits that need not:
+  The step runs as the engine (`engine.pipeline.Pipeline`) orders it; a stage
+  does one thing at a time and nothing waits that need not:
 
   * forward of (k, m) starts once stage k finished the forward of m - 1 and
     stage k - 1 finished the forward of m, plus `transfer_cost`;
@@ -310,7 +221,8 @@ def Simulate(forward_costs: Sequence[float],
   activations"; pass byte sizes to get bytes.
 
   With equal stages and no transfer cost the bubble fraction is the closed
-  form `BubbleFraction(K, M)` for 'always' and 'never'. Runs in O(K * M).
+  form `schedule.BubbleFraction(K, M)` for 'always' and 'never'. Runs in
+  O(K * M).
 
   Args:
     forward_costs: K forward times of one micro-batch, one per stage (any
@@ -337,9 +249,9 @@ def Simulate(forward_costs: Sequence[float],
   forward = _CheckCosts('forward_costs', forward_costs)
   num_stages = len(forward)
   backward = _CheckCosts('backward_costs', backward_costs, num_stages)
-  CheckPositiveInt('num_micro_batches', num_micro_batches)
+  checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
   num_micro = num_micro_batches
-  CheckRemat(remat)
+  schedule.CheckRemat(remat)
   if (isinstance(transfer_cost, bool) or
       not isinstance(transfer_cost, (int, float)) or
       not math.isfinite(transfer_cost) or transfer_cost < 0):
@@ -353,7 +265,9 @@ def Simulate(forward_costs: Sequence[float],
   activations = ([1.0] * num_stages if activation_memory is None else
                  _CheckCosts('activation_memory', activation_memory,
                              num_stages))
-  recomputes = [Recomputes(remat, m, num_micro) for m in range(num_micro)]
+  recomputes = [
+      schedule.Recomputes(remat, m, num_micro) for m in range(num_micro)
+  ]
 
   # ready[m]: when micro-batch m's input (forward) or gradient (backward) has
   # left the neighbouring stage. Stages are visited in dependency order.
@@ -407,3 +321,4 @@ def Simulate(forward_costs: Sequence[float],
       forward_costs=forward,
       backward_costs=backward,
       recomputes=recomputes)
+

@@ -19,19 +19,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from lingvo_gpipe import microbatch
-from lingvo_gpipe import schedule
-from lingvo_gpipe import stage as stage_lib
-
-# Re-exported: the remat modes are a schedule concept, checked here too.
-REMAT_MODES = schedule.REMAT_MODES
-CheckRemat = schedule.CheckRemat
-
-
-def CheckBatchDim(batch_dim: int) -> None:
-  """Raises ValueError unless `batch_dim` is an int >= 0."""
-  if not isinstance(batch_dim, int) or batch_dim < 0:
-    raise ValueError(f'batch_dim={batch_dim!r} must be an int >= 0.')
+from lingvo_gpipe.engine import microbatch
+from lingvo_gpipe.engine import stage as stage_lib
+from lingvo_gpipe.planning import checks
+from lingvo_gpipe.planning import schedule
 
 
 class Pipeline:
@@ -73,9 +64,9 @@ class Pipeline:
       raise ValueError(f'devices has {len(devices)} entries {list(devices)} '
                        f'but there are {len(stage_fns)} stages; give one '
                        'device per stage.')
-    schedule.CheckPositiveInt('num_micro_batches', num_micro_batches)
-    CheckBatchDim(batch_dim)
-    CheckRemat(remat)
+    checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
+    checks.CheckBatchDim(batch_dim)
+    schedule.CheckRemat(remat)
     self._stage_fns = list(stage_fns)
     self.num_stages = len(stage_fns)
     self.devices = list(devices)
@@ -83,11 +74,6 @@ class Pipeline:
     self.batch_dim = batch_dim
     self.remat = remat
     self._name = name
-
-  def _Recomputes(self, micro_batch: int, training: bool) -> bool:
-    if not training or self.remat == 'never':
-      return False
-    return self.remat == 'always' or micro_batch < self.num_micro_batches - 1
 
   def __call__(self,
                thetas: Sequence[Any],
@@ -144,7 +130,8 @@ class Pipeline:
           with tf.device(self.devices[k]), tf.name_scope(f'stage{k}'):
             outputs[k][m], states[k], chains[k] = stages[k].Call(
                 chains[k], x, states[k], first_id + m,
-                remat=self._Recomputes(m, training),
+                remat=training and schedule.Recomputes(
+                    self.remat, m, num_micro),
                 last=m == num_micro - 1)
       with tf.device(self.devices[-1]):
         merged = microbatch.Merge(outputs[-1], self.batch_dim)

@@ -1,0 +1,151 @@
+"""Lingvo cells as the engine's stage functions.
+
+A stage of `GPipeSequentialLayer` is a run of Lingvo cells. `StageFunction`
+turns it into the engine's contract `(theta, inputs, state, micro_batch_id) ->
+(outputs, state)`: the cells' accumulators travel in `state`, so that each
+micro-batch adds to them once (recomputes trace the function again and their
+state is dropped), and Lingvo's stateless random ops are seeded per
+micro-batch (`MicroBatchSeeds`), so that a recompute draws the same dropout
+masks as the forward pass.
+
+    fn = StageFunction([cell0, cell1], nested_map_fprop=False)
+    outputs, state = fn(theta, (x,), state, micro_batch_id)
+"""
+
+import contextlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from lingvo import compat as tf
+from lingvo.core import base_layer
+from lingvo.core import py_utils
+
+
+def _ToTuple(x):
+  return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _AccumulatorRestorer(cell):
+  """A function that puts the cell's accumulators back as they are now.
+
+  Unset accumulators become unset again: `GetValue` of an unset one makes a
+  default tensor in the current graph, which must not outlive it.
+
+  Args:
+    cell: A Lingvo layer.
+
+  Returns:
+    A function of no arguments.
+  """
+  accumulators = cell.accumulators.Flatten()
+  values = [acc._value for acc in accumulators]  # pylint: disable=protected-access
+
+  def Restore():
+    for acc, value in zip(accumulators, values):
+      if value is None:
+        acc.Reset()
+      else:
+        acc.SetValue(value)
+
+  return Restore
+
+
+@contextlib.contextmanager
+def MicroBatchSeeds(micro_batch_id):
+  """Seeds Lingvo's stateless random ops from the micro-batch id.
+
+  Inside this context `py_utils.GenerateStepSeedPair` returns
+  [micro_batch_id, step seed] (plus the layer's random_seed and op seed)
+  instead of [global step, step seed], so every micro-batch of every step draws
+  its own masks and a recompute that replays the same trace draws the same.
+
+  Args:
+    micro_batch_id: int64 scalar tensor, global_step * M + micro-batch index.
+
+  Yields:
+    Nothing.
+  """
+  original = py_utils.GenerateStepSeedPair
+
+  def GenerateStepSeedPair(p, op_seed=None):
+    if p.is_inference and p.random_seed is None:
+      return original(p, op_seed)
+    seed_dtype = tf.int32 if py_utils.use_tpu() else tf.int64
+    seeds = tf.stack([
+        tf.cast(micro_batch_id, seed_dtype),
+        tf.cast(py_utils.GetIncStepSeed(), seed_dtype)
+    ])
+    if p.random_seed is not None:
+      seeds += p.random_seed
+    if op_seed is not None:
+      seeds += tf.cast(op_seed, seed_dtype)
+    return seeds
+
+  py_utils.GenerateStepSeedPair = GenerateStepSeedPair
+  try:
+    yield
+  finally:
+    py_utils.GenerateStepSeedPair = original
+
+
+class StageBoundaries:
+  """The NestedMap structure at each stage boundary (nested_map_fprop).
+
+  The engine passes flat tensor tuples between stages; with nested_map_fprop
+  the cells take and return one NestedMap. Entry 0 is the layer input's
+  structure; entry k + 1 is filled in when stage k is traced.
+  """
+
+  def __init__(self, num_stages: int, first: py_utils.NestedMap):
+    self.structs: List[Optional[py_utils.NestedMap]] = [None] * (num_stages +
+                                                                 1)
+    self.structs[0] = first
+
+  @property
+  def last(self) -> py_utils.NestedMap:
+    """The structure of the last stage's output."""
+    return self.structs[-1]
+
+
+def StageFunction(cells: Sequence[base_layer.BaseLayer],
+                  boundaries: Optional[StageBoundaries] = None,
+                  stage: int = 0) -> Callable[..., Tuple[Any, Any]]:
+  """The engine's stage function for a run of Lingvo cells.
+
+  Args:
+    cells: The stage's cells, in order; cell i's outputs are cell i + 1's
+      inputs.
+    boundaries: With nested_map_fprop, the boundary structures (the stage
+      reads entry `stage` and fills entry `stage + 1`); None for positional
+      FProp arguments.
+    stage: The stage index k.
+
+  Returns:
+    A function (theta, inputs, state, micro_batch_id) -> (outputs, state):
+    theta and state are NestedMaps keyed by cell name; inputs and outputs are
+    flat tuples.
+  """
+
+  def StageFn(theta, inputs, state, micro_batch_id):
+    if boundaries is None:
+      args = inputs
+    else:
+      args = (boundaries.structs[stage].Pack(list(inputs)),)
+    new_state = py_utils.NestedMap()
+    with MicroBatchSeeds(micro_batch_id):
+      for cell in cells:
+        name = cell.params.name
+        # Accumulators hold tensors of this trace only while it runs; the
+        # values outside (set after the pipeline, or unset) must survive
+        # later traces, such as the backward pass's recompute.
+        restore = _AccumulatorRestorer(cell)
+        cell.SetAccumulatorValues(state[name])
+        py_utils.ResetStepSeed(py_utils.GenerateSeedFromName(cell.path))
+        args = _ToTuple(cell.FProp(theta[name], *args))
+        new_state[name] = cell.GetAccumulatorValues()
+        restore()
+    if boundaries is not None:
+      boundaries.structs[stage + 1] = args[0]
+      return args[0].Flatten(), new_state
+    return args, new_state
+
+  return StageFn

@@ -1,0 +1,50 @@
+"""Helpers of the engine tests: devices, sessions, numeric comparisons.
+
+TensorFlow and numpy only; no Lingvo (the engine tests must run without it).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+NUM_DEVICES = 4
+CPUS = [f'/job:localhost/replica:0/task:0/device:CPU:{i}'
+        for i in range(NUM_DEVICES)]
+
+
+def SessionConfig():
+  """A TF1 session config with the four CPU devices the tests use."""
+  return tf.compat.v1.ConfigProto(device_count={'CPU': NUM_DEVICES})
+
+
+def RelErr(actual, expected, floor=0.0):
+  """max |actual - expected| / max(max |expected|, floor); 0 if equal."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  if not expected.size:
+    return 0.0
+  diff = np.max(np.abs(actual - expected))
+  return 0.0 if diff == 0 else diff / max(np.max(np.abs(expected)), floor)
+
+
+def AssertTransparent(actual_values, expected_values, tol=1e-5):
+  """Every tensor matches to relative error < tol.
+
+  A tensor whose expected value is mathematically zero (e.g. the gradient of
+  an attention key bias, which softmax ignores) holds only float round-off of
+  the size of 1e-8 of the largest tensor; it can have no relative error, so
+  both sides must stay below 1e-6 of the largest tensor instead.
+
+  Args:
+    actual_values: Arrays from the pipeline.
+    expected_values: Arrays from the reference, same shapes.
+    tol: The largest relative error allowed.
+  """
+  assert len(actual_values) == len(expected_values)
+  zero = 1e-6 * max(
+      np.max(np.abs(e)) if np.size(e) else 0.0 for e in expected_values)
+  for i, (a, e) in enumerate(zip(actual_values, expected_values)):
+    assert np.shape(a) == np.shape(e), (i, np.shape(a), np.shape(e))
+    if np.size(e) and np.max(np.abs(e)) < zero:
+      assert np.max(np.abs(a)) < zero, f'tensor {i} should be ~0: {a}'
+    else:
+      err = RelErr(a, e)
+      assert err < tol, f'tensor {i}: relative error {err}'

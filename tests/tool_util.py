@@ -1,0 +1,43 @@
+"""Helpers of the tests that run tools/ as subprocesses."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def RunToolInParallel(tool, runs, tmp, timeout):
+  """Runs `python tools/<tool>` once per entry of `runs`, all at once.
+
+  Args:
+    tool: File name in tools/, e.g. 'plan.py'.
+    runs: {name: argument list}; '{tmp}' in an argument becomes `tmp`.
+    tmp: A scratch folder.
+    timeout: Seconds each run may take.
+
+  Returns:
+    {name: (exit code, stdout, stderr)} plus 'tmp': tmp.
+  """
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(
+      [ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  procs = {
+      name: subprocess.Popen(
+          [sys.executable, os.path.join('tools', tool)] +
+          [a.format(tmp=tmp) for a in args],
+          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text=True) for name, args in runs.items()
+  }
+  results = {'tmp': tmp}
+  try:
+    for name, proc in procs.items():
+      stdout, stderr = proc.communicate(timeout=timeout)
+      results[name] = (proc.returncode, stdout, stderr)
+  finally:  # A run that timed out (or a failure here) leaves nothing behind.
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  return results
