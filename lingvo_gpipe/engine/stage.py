@@ -27,9 +27,12 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
-# pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.eager.polymorphic_function import attributes as _tf_attributes
-# pylint: enable=g-direct-tensorflow-import
+try:  # Private: see _DisableSpecialization.
+  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+  from tensorflow.python.eager.polymorphic_function import attributes as _tf_attributes
+  # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
+except ImportError:
+  _tf_attributes = None
 
 from lingvo_gpipe.engine import recompute
 
@@ -59,15 +62,18 @@ def _DisableSpecialization(fn: tf.types.experimental.PolymorphicFunction):
   Args:
     fn: A tf.function, before its first trace.
   """
-  try:
-    for allowlist in ('TRACING_COMPILATION_ALLOWLIST',
-                      'MONOMORPHIC_FUNCTION_ALLOWLIST'):
-      setattr(_tf_attributes, allowlist,
-              getattr(_tf_attributes, allowlist) | {_NO_SPECIALIZE})
-    fn._attributes[_NO_SPECIALIZE] = True  # pylint: disable=protected-access
-  except AttributeError:
+  allowlists = ('TRACING_COMPILATION_ALLOWLIST',
+                'MONOMORPHIC_FUNCTION_ALLOWLIST')
+  if _tf_attributes is None or not all(
+      hasattr(_tf_attributes, a) for a in allowlists) or not hasattr(
+          fn, '_attributes'):
     logging.warning('Cannot mark %s %s; Grappler may specialize it per call.',
                     fn, _NO_SPECIALIZE)
+    return
+  for allowlist in allowlists:
+    setattr(_tf_attributes, allowlist,
+            getattr(_tf_attributes, allowlist) | {_NO_SPECIALIZE})
+  fn._attributes[_NO_SPECIALIZE] = True  # pylint: disable=protected-access
 
 
 class Chain:
