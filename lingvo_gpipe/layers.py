@@ -69,6 +69,13 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     p.Define(
         'nested_map_fprop', False, 'If True, cells take and return one '
         'NestedMap instead of positional tensors.')
+    p.Define(
+        'engine', 'auto', "How the step is built: 'unrolled' (every stage "
+        "call is a graph node: the fastest steady step, but the graph, its "
+        "trace and XLA compile grow with K x M), 'loop' (while loops over "
+        "the clock ticks: the graph does not grow with M; remat='always' "
+        "only) or 'auto' ('loop' when remat='always' and K x M >= "
+        f'{schedule.AUTO_LOOP_MIN_CALLS}, else \'unrolled\').')
     return p
 
   def __init__(self, params):
@@ -152,7 +159,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       counts = partition_lib.CheckPartition(p.partition, num_cells,
                                             p.num_stages)
       num_stages = len(counts)
-    schedule.CheckRemat(p.remat)
+    schedule.CheckEngine(p.engine, p.remat)
     placement.CheckDevices(p.devices, num_stages)
     checks.CheckPositiveInt('num_micro_batches', p.num_micro_batches)
     if p.micro_batch_size is not None:
@@ -247,6 +254,12 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       ]
     return placement.StageDevices(num_stages, self.params.devices, model_split)
 
+  def Engine(self, num_micro_batches):
+    """The engine that builds a step with M micro-batches: unrolled or loop."""
+    p = self.params
+    return schedule.ChooseEngine(p.engine, self.num_stages, num_micro_batches,
+                                 p.remat)
+
   def BubbleFraction(self, batch_size):
     """The idle fraction (K - 1) / (M + K - 1) of a step with this batch."""
     return schedule.BubbleFraction(self.num_stages,
@@ -305,6 +318,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         num_micro,
         batch_dim=p.batch_dim,
         remat=p.remat,
+        engine=self.Engine(num_micro),
         name='gpipe')
     outputs, states = engine(
         thetas,

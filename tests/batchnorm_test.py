@@ -110,7 +110,7 @@ def _PerMicroBatchReference(ref, x, num_micro):
 
 @pytest.mark.parametrize('num_stages', [1, 2])
 @pytest.mark.parametrize('num_micro', [1, 2, 4, 8])
-def test_one_step_matches_full_batch(num_micro, num_stages):
+def test_one_step_matches_full_batch(num_micro, num_stages, engine):
   """Moving stats as full-batch Lingvo BN; outputs as per-micro-batch BN."""
   rng = np.random.RandomState(num_micro * 10 + num_stages)
   x_np = _Inputs(rng)
@@ -119,7 +119,7 @@ def test_one_step_matches_full_batch(num_micro, num_stages):
     py_utils.GetOrCreateGlobalStepVar()
     pipe = test_util.PipeParams(
         _Cells(batchnorm.BatchNormLayer), num_stages=num_stages,
-        num_micro_batches=num_micro).Instantiate()
+        num_micro_batches=num_micro, engine=engine).Instantiate()
     ref = test_util.Reference(_Cells(bn_layers.BatchNormLayer))
     x = tf.constant(x_np)
     y = pipe.FProp(pipe.theta, x)
@@ -160,11 +160,17 @@ class _ConstantInput(base_input_generator.BaseInputGenerator):
 class _PipelinedTask(base_model.BaseTask):
   """A Lingvo task: fc0 then our batch norm, as a K=2, M=4 pipeline."""
 
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('engine', 'unrolled', 'The pipeline engine.')
+    return p
+
   def __init__(self, params):
     super().__init__(params)
     cells = _Cells(batchnorm.BatchNormLayer)[:2]
     self.CreateChild('pipe', test_util.PipeParams(
-        cells, num_stages=2, num_micro_batches=4))
+        cells, num_stages=2, num_micro_batches=4, engine=params.engine))
 
   def ComputePredictions(self, theta, input_batch):
     return self.pipe.FProp(theta.pipe, input_batch.x)
@@ -174,12 +180,12 @@ class _PipelinedTask(base_model.BaseTask):
     return {'loss': (loss, tf.constant(1.0))}, {}
 
 
-def test_lingvo_task_applies_update():
+def test_lingvo_task_applies_update(engine):
   """BaseTask's train_op updates the moving stats once, from the mini-batch."""
   x_np = _Inputs(np.random.RandomState(5))
   graph = tf.Graph()
   with graph.as_default():
-    p = _PipelinedTask.Params().Set(name='task')
+    p = _PipelinedTask.Params().Set(name='task', engine=engine)
     p.input = _ConstantInput.Params().Set(x=x_np)
     task = p.Instantiate()
     task.FPropDefaultTheta()
@@ -203,11 +209,12 @@ def test_gradients_same_with_and_without_remat():
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     fetches = []
-    for remat in ('always', 'never'):
+    for engine, remat in [('unrolled', 'never'), ('unrolled', 'always'),
+                          ('loop', 'always')]:
       with py_utils.OpportunisticVariableReuseScope(True):
         pipe = test_util.PipeParams(
             _Cells(batchnorm.BatchNormLayer), num_stages=2,
-            num_micro_batches=4, remat=remat).Instantiate()
+            num_micro_batches=4, remat=remat, engine=engine).Instantiate()
       x = tf.constant(x_np)
       y = pipe.FProp(pipe.theta, x)
       loss = tf.reduce_sum(tf.square(y))
@@ -217,12 +224,13 @@ def test_gradients_same_with_and_without_remat():
       fetches[-1].append(_BatchNorms(pipe)[0].accumulators.moments.GetValue())
     with tf.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
       sess.run(tf.global_variables_initializer())
-      remat_values, plain_values = sess.run(fetches)
-  assert remat_values[-1][0, 0] == BATCH
-  engine_util.AssertTransparent(remat_values, plain_values)
+      plain_values, *remat_values = sess.run(fetches)
+  for values in remat_values:
+    assert values[-1][0, 0] == BATCH
+    engine_util.AssertTransparent(values, plain_values)
 
 
-def test_eval_uses_moving_stats():
+def test_eval_uses_moving_stats(engine):
   rng = np.random.RandomState(1)
   x_np = _Inputs(rng)
   graph = tf.Graph()
@@ -230,7 +238,7 @@ def test_eval_uses_moving_stats():
     py_utils.GetOrCreateGlobalStepVar()
     pipe = test_util.PipeParams(
         _Cells(batchnorm.BatchNormLayer), num_stages=2,
-        num_micro_batches=4).Instantiate()
+        num_micro_batches=4, engine=engine).Instantiate()
     ref = test_util.Reference(_Cells(bn_layers.BatchNormLayer))
     x = tf.constant(x_np)
     y, y_ref = pipe.FProp(pipe.theta, x), ref.FProp(ref.theta, x)
@@ -247,10 +255,10 @@ def test_eval_uses_moving_stats():
   assert np.abs(y_val.mean(axis=0)).max() > 0.1
 
 
-def test_eval_traced_twice_in_tf_function():
+def test_eval_traced_twice_in_tf_function(engine):
   """Lingvo's eager evaler traces eval FProp twice; no tensor may leak."""
   p = test_util.PipeParams(_Cells(batchnorm.BatchNormLayer), num_stages=2,
-                           num_micro_batches=2)
+                           num_micro_batches=2, engine=engine)
   p.is_inference = True
   with cluster_factory.SetEval(True):
     pipe = p.Instantiate()
@@ -270,7 +278,7 @@ def _PaddedInputs(rng, num_micro, batch=8, time=5):
 
 
 @pytest.mark.parametrize('num_micro', [1, 4])
-def test_paddings_excluded_from_stats(num_micro):
+def test_paddings_excluded_from_stats(num_micro, engine):
   rng = np.random.RandomState(2)
   x_np, pad_np = _PaddedInputs(rng, num_micro)
   graph = tf.Graph()
@@ -279,7 +287,7 @@ def test_paddings_excluded_from_stats(num_micro):
     bn_p = batchnorm.BatchNormLayer.Params().Set(name='bn0', dim=DIM,
                                                  decay=DECAY)
     pipe = test_util.PipeParams([bn_p], num_micro_batches=num_micro,
-                                remat='always').Instantiate()
+                                remat='always', engine=engine).Instantiate()
     ref = test_util.Reference([
         bn_layers.BatchNormLayer.Params().Set(name='bn0', dim=DIM, decay=DECAY)
     ])

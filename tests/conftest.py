@@ -5,7 +5,10 @@ import os
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 from absl import flags  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from lingvo_gpipe.planning import schedule  # pylint: disable=g-import-not-at-top
 
 NUM_CPU_DEVICES = 4
 
@@ -17,3 +20,9 @@ flags.FLAGS(['pytest'], known_only=True)
 _cpus = tf.config.list_physical_devices('CPU')
 tf.config.set_logical_device_configuration(
     _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_CPU_DEVICES)
+
+
+@pytest.fixture(params=schedule.ENGINES)
+def engine(request):
+  """Runs a test once per engine ('unrolled', 'loop')."""
+  return request.param

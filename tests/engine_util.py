@@ -6,6 +6,13 @@ TensorFlow and numpy only; no Lingvo (the engine tests must run without it).
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.engine import pipeline
+from lingvo_gpipe.planning import schedule
+
+# Every (engine, remat) pair that builds a step.
+ENGINE_REMAT_MODES = [(engine, remat) for engine in schedule.ENGINES
+                      for remat in pipeline.RematModes(engine)]
+
 NUM_DEVICES = 4
 CPUS = [f'/job:localhost/replica:0/task:0/device:CPU:{i}'
         for i in range(NUM_DEVICES)]

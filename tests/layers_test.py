@@ -24,34 +24,34 @@ MS = (1, 2, 4, 8)
 
 @pytest.mark.parametrize('k', KS)
 @pytest.mark.parametrize('m', MS)
-def testFCTransparentInGraph(k, m):
+def testFCTransparentInGraph(k, m, engine):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
-                           num_micro_batches=m)
+                           num_micro_batches=m, engine=engine)
   pipe, ref, _ = test_util.RunGraph(p, test_util.FCCells, [FC_INPUT])
   engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k', KS)
 @pytest.mark.parametrize('m', MS)
-def testFCTransparentInFunction(k, m):
+def testFCTransparentInFunction(k, m, engine):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
-                           num_micro_batches=m)
+                           num_micro_batches=m, engine=engine)
   pipe, ref = test_util.RunFunction(p, test_util.FCCells, [FC_INPUT])
   engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k,m', [(1, 8), (2, 4), (4, 2), (4, 8)])
-def testConvTransparentInGraph(k, m):
+def testConvTransparentInGraph(k, m, engine):
   p = test_util.PipeParams(test_util.ConvCells(), num_stages=k,
-                           num_micro_batches=m)
+                           num_micro_batches=m, engine=engine)
   pipe, ref, _ = test_util.RunGraph(p, test_util.ConvCells, [CONV_INPUT, None])
   engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k,m', [(2, 2), (4, 4)])
-def testTransformerTransparentBatchDim1(k, m):
+def testTransformerTransparentBatchDim1(k, m, engine):
   p = test_util.PipeParams(test_util.TransformerCells(), num_stages=k,
-                           num_micro_batches=m, batch_dim=1)
+                           num_micro_batches=m, batch_dim=1, engine=engine)
   inputs = [TR_VECS, TR_PADDINGS]
   pipe, ref, _ = test_util.RunGraph(p, test_util.TransformerCells, inputs)
   engine_util.AssertTransparent(pipe, ref)
@@ -59,8 +59,10 @@ def testTransformerTransparentBatchDim1(k, m):
   engine_util.AssertTransparent(pipe, ref)
 
 
-@pytest.mark.parametrize('remat', ['always', 'never'])
-def testEmbeddingGradientsAreSparseAndExact(remat):
+@pytest.mark.parametrize('engine,remat', [('unrolled', 'always'),
+                                          ('unrolled', 'never'),
+                                          ('loop', 'always')])
+def testEmbeddingGradientsAreSparseAndExact(engine, remat):
   """An embedding cell's gradient (IndexedSlices) sums over micro-batches."""
 
   def Cells():
@@ -68,15 +70,15 @@ def testEmbeddingGradientsAreSparseAndExact(remat):
 
   ids = RNG.randint(0, lm.VOCAB_SIZE, size=[5, 8]).astype(np.int32)
   p = test_util.PipeParams(Cells(), num_stages=3, num_micro_batches=4,
-                           batch_dim=1, remat=remat)
+                           batch_dim=1, remat=remat, engine=engine)
   pipe, ref, _ = test_util.RunGraph(p, Cells, [ids, TR_PADDINGS])
   engine_util.AssertTransparent(pipe, ref)
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (2, 4), (4, 8)])
-def testXla(k, m):
+def testXla(k, m, engine):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
-                           num_micro_batches=m)
+                           num_micro_batches=m, engine=engine)
   pipe, ref = test_util.RunFunction(
       p, test_util.FCCells, [FC_INPUT], jit_compile=True)
   engine_util.AssertTransparent(pipe, ref)
@@ -115,11 +117,11 @@ class NestedCell(base_layer.BaseLayer):
     return out
 
 
-@pytest.mark.parametrize('remat', ['always', 'except_last', 'never'])
-def testAccumulatorsSeeEachMicroBatchOnce(remat):
+@pytest.mark.parametrize('engine,remat', engine_util.ENGINE_REMAT_MODES)
+def testAccumulatorsSeeEachMicroBatchOnce(engine, remat):
   cells = [CountingCell.Params().Set(name=f'c{i}') for i in range(4)]
   p = test_util.PipeParams(cells, num_stages=2, num_micro_batches=4,
-                           remat=remat)
+                           remat=remat, engine=engine)
   graph = tf.Graph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
@@ -135,10 +137,10 @@ def testAccumulatorsSeeEachMicroBatchOnce(remat):
   np.testing.assert_allclose(grads, [16 * 1.5**3] * 4, rtol=1e-6)
 
 
-def testNestedMapFPropAndNoneFields():
+def testNestedMapFPropAndNoneFields(engine):
   cells = [NestedCell.Params().Set(name=f'n{i}') for i in range(3)]
   p = test_util.PipeParams(cells, num_stages=3, num_micro_batches=2,
-                           nested_map_fprop=True)
+                           nested_map_fprop=True, engine=engine)
   pipe = p.Instantiate()
   x = tf.constant(FC_INPUT[:4])
   out = pipe.FProp(pipe.theta, py_utils.NestedMap(x=x, mask=None))
@@ -167,9 +169,9 @@ def testVariableNamesDoNotDependOnPipelineShape():
     assert _VariableNames(p) == expected, kwargs
 
 
-def testEvalUsesTheSameStagesWithoutRecompute():
+def testEvalUsesTheSameStagesWithoutRecompute(engine):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=2,
-                           num_micro_batches=4)
+                           num_micro_batches=4, engine=engine)
   graph = tf.Graph()
   with graph.as_default(), cluster_factory.SetEval(True):
     pipe = p.Instantiate()
@@ -200,6 +202,10 @@ def testEvalUsesTheSameStagesWithoutRecompute():
      r"devices=\['/cpu:0'\] must be a list of 2 device strings"),
     (dict(num_micro_batches=0), 'num_micro_batches=0 must be a positive int'),
     (dict(micro_batch_size=2, num_micro_batches=2), 'set only one'),
+    (dict(engine='fast'), "engine='fast' is not supported; use one of "
+     r"\['auto', 'unrolled', 'loop'\]"),
+    (dict(engine='loop', remat='never'),
+     "remat='never' is not supported with engine='loop'"),
 ])
 def testBadParamsFailBeforeAnyVariable(kwargs, message):
   p = test_util.PipeParams(test_util.FCCells()).Set(**kwargs)
@@ -218,10 +224,12 @@ def testBadParamsFailBeforeAnyVariable(kwargs, message):
     (dict(micro_batch_size=5), 16, 'micro_batch_size=5 does not divide the '
      'batch size 16'),
 ])
-def testBadBatchFailsBeforeBuildingThePipeline(kwargs, batch, message):
+def testBadBatchFailsBeforeBuildingThePipeline(kwargs, batch, message,
+                                               engine):
   graph = tf.Graph()
   with graph.as_default():
-    pipe = test_util.PipeParams(test_util.FCCells(), **kwargs).Instantiate()
+    pipe = test_util.PipeParams(test_util.FCCells(), engine=engine,
+                                **kwargs).Instantiate()
     x = tf.zeros([batch, 8])
     num_ops = len(graph.get_operations())
     with pytest.raises(ValueError, match=message):

@@ -5,7 +5,6 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.engine import pipeline
-from lingvo_gpipe.planning import schedule
 import engine_util
 
 RNG = np.random.RandomState(1)
@@ -30,9 +29,10 @@ def Plain(weights, x):
   return x
 
 
-def Piped(weights, x, k, m, remat, devices):
+def Piped(weights, x, k, m, remat, devices, engine):
   per = len(weights) // k
-  pipe = pipeline.Pipeline([DenseStage] * k, devices[:k], m, remat=remat)
+  pipe = pipeline.Pipeline([DenseStage] * k, devices[:k], m, remat=remat,
+                           engine=engine)
   states = [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * k
   (y, mask), states = pipe([weights[i * per:(i + 1) * per] for i in range(k)],
                            [x, None], states)
@@ -44,10 +44,10 @@ def Loss(y, aux):
   return tf.reduce_sum(y * y) + 3.0 * aux
 
 
-def testTransparentInGraphAllRematModes():
+def testTransparentInGraphAllRematModes(engine):
   for k in (1, 2, 4):
     for m in (1, 2, 4, 8):
-      for remat in schedule.REMAT_MODES:
+      for remat in pipeline.RematModes(engine):
         graph = tf.Graph()
         with graph.as_default():
           ws = [tf.constant(w) for w in WEIGHTS]
@@ -56,7 +56,7 @@ def testTransparentInGraphAllRematModes():
           # The aux state of the last stage sums mean(y) over micro-batches.
           aux0 = tf.add_n([tf.reduce_mean(p) for p in tf.split(y0, m)])
           g0 = tf.gradients(Loss(y0, aux0), ws + [x])
-          y1, states = Piped(ws, x, k, m, remat, engine_util.CPUS)
+          y1, states = Piped(ws, x, k, m, remat, engine_util.CPUS, engine)
           g1 = tf.gradients(Loss(y1, states[-1]['aux']), ws + [x])
           calls = [s['calls'] for s in states]
           with tf.compat.v1.Session(
@@ -67,7 +67,7 @@ def testTransparentInGraphAllRematModes():
 
 
 @pytest.mark.parametrize('jit_compile', [False, True])
-def testTransparentInFunction(jit_compile):
+def testTransparentInFunction(jit_compile, engine):
   ws = [tf.constant(w) for w in WEIGHTS]
   x = tf.constant(X)
 
@@ -77,32 +77,35 @@ def testTransparentInFunction(jit_compile):
       tape.watch(ws + [x])
       y0 = Plain(ws, x)
       loss0 = tf.reduce_sum(y0 * y0)
-      y1, _ = Piped(ws, x, k, m, remat, [''] * 4)
+      y1, _ = Piped(ws, x, k, m, remat, [''] * 4, engine)
       loss1 = tf.reduce_sum(y1 * y1)
     return ([y0] + tape.gradient(loss0, ws + [x]),
             [y1] + tape.gradient(loss1, ws + [x]))
 
   for k, m, remat in [(1, 1, 'always'), (2, 4, 'always'),
                       (4, 8, 'except_last'), (4, 2, 'never')]:
+    if remat not in pipeline.RematModes(engine):
+      continue
     expected, actual = Step(k, m, remat)
     engine_util.AssertTransparent([a.numpy() for a in actual],
                                 [e.numpy() for e in expected])
 
 
-def testMicroBatchIdsAreStepTimesMPlusIndexInOrder():
+def testMicroBatchIdsAreStepTimesMPlusIndexInOrder(engine):
 
   def Stage(theta, inputs, state, micro_batch_id):
     del theta
     return inputs, state * 100 + micro_batch_id
 
-  pipe = pipeline.Pipeline([Stage, Stage], ['', ''], num_micro_batches=3)
+  pipe = pipeline.Pipeline([Stage, Stage], ['', ''], num_micro_batches=3,
+                           engine=engine)
   zero = tf.constant(0, tf.int64)
   _, states = pipe([[], []], [tf.zeros([6, 1])], [zero, zero],
                    step=tf.constant(5))
   assert [int(s) for s in states] == [151617, 151617]
 
 
-def testCapturedTrainableVariableIsRejected():
+def testCapturedTrainableVariableIsRejected(engine):
   v = tf.Variable(1.0)
 
   def Stage(theta, inputs, state, micro_batch_id):
@@ -110,7 +113,8 @@ def testCapturedTrainableVariableIsRejected():
     return (inputs[0] * v,), state
 
   with pytest.raises(ValueError, match='reads trainable variables'):
-    pipeline.Pipeline([Stage], [''], 2)([[]], [tf.ones([4, 1])])
+    pipeline.Pipeline([Stage], [''], 2, engine=engine)([[]],
+                                                        [tf.ones([4, 1])])
 
 
 @pytest.mark.parametrize('kwargs,message', [
@@ -119,6 +123,11 @@ def testCapturedTrainableVariableIsRejected():
     (dict(num_micro_batches=0), 'num_micro_batches=0 must be a positive int'),
     (dict(remat='sometimes'), "remat='sometimes' is not supported"),
     (dict(batch_dim=-1), 'batch_dim=-1'),
+    (dict(engine='fast'), "engine='fast' is not supported"),
+    (dict(engine='loop', remat='never'),
+     "remat='never' is not supported with engine='loop'"),
+    (dict(engine='loop', remat='except_last'),
+     "remat='except_last' is not supported with engine='loop'"),
 ])
 def testBadConfiguration(kwargs, message):
   args = dict(stage_fns=[DenseStage], devices=[''], num_micro_batches=1)
@@ -127,8 +136,9 @@ def testBadConfiguration(kwargs, message):
     pipeline.Pipeline(**args)
 
 
-def testIndivisibleBatchFailsBeforeBuilding():
-  pipe = pipeline.Pipeline([DenseStage], [''], num_micro_batches=3)
+def testIndivisibleBatchFailsBeforeBuilding(engine):
+  pipe = pipeline.Pipeline([DenseStage], [''], num_micro_batches=3,
+                           engine=engine)
   graph = tf.Graph()
   with graph.as_default():
     x = tf.zeros([8, 6])

@@ -16,18 +16,20 @@ import engine_util
 import test_util
 
 
-def _TracedStep(remat, num_micro_batches=2):
+def _TracedStep(remat, num_micro_batches=2, engine='unrolled'):
   """One traced training step of 4 FC cells on 4 stages.
 
   Args:
     remat: The remat mode.
     num_micro_batches: M.
+    engine: The pipeline engine.
 
   Returns:
     (graph, step_stats): the graph and the RunMetadata step stats.
   """
   p = test_util.PipeParams(test_util.FCCells(), num_stages=4,
-                           num_micro_batches=num_micro_batches, remat=remat)
+                           num_micro_batches=num_micro_batches, remat=remat,
+                           engine=engine)
   graph = tf.Graph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
@@ -59,10 +61,12 @@ def testStageCallsArePlacedOnTheirDevices():
       str(k): [f'/device:CPU:{k}'] for k in range(4)}
 
 
-@pytest.mark.parametrize('remat,forward_runs', [('always', 4), ('never', 2)])
-def testKernelsRunOnTheStageDevice(remat, forward_runs):
+@pytest.mark.parametrize('engine,remat,forward_runs', [
+    ('unrolled', 'always', 4), ('unrolled', 'never', 2), ('loop', 'always', 4)
+])
+def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
   """Cell k's kernels ran on CPU:k; with remat each forward ran twice."""
-  _, step_stats = _TracedStep(remat)
+  _, step_stats = _TracedStep(remat, engine=engine)
   expected = {}
   for k, device in enumerate(engine_util.CPUS):
     expected[(k, device, False)] = forward_runs  # M forwards (+ M recomputes).

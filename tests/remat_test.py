@@ -43,21 +43,21 @@ def SeededPlain(theta, x, num_micro_batches):
 
 
 def _Run(k):
-  """Outputs + gradients for each remat mode at K=k, and the seeded plain."""
+  """Outputs + gradients per (engine, remat) at K=k, and the seeded plain."""
   graph = tf.Graph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     x = tf.constant(X)
     fetches = {}
     pipe = None
-    for remat in ('always', 'except_last', 'never'):
+    for engine, remat in engine_util.ENGINE_REMAT_MODES:
       with py_utils.OpportunisticVariableReuseScope(pipe is not None):
         pipe = test_util.PipeParams(
             DropoutCells(), num_stages=k, num_micro_batches=NUM_MICRO_BATCHES,
-            remat=remat).Instantiate()
+            remat=remat, engine=engine).Instantiate()
       y = pipe.FProp(pipe.theta, x)
-      fetches[remat] = [y] + tf.gradients(tf.reduce_sum(y * y),
-                                          pipe.vars.Flatten() + [x])
+      fetches[engine, remat] = [y] + tf.gradients(
+          tf.reduce_sum(y * y), pipe.vars.Flatten() + [x])
     y = SeededPlain(pipe.theta, x, NUM_MICRO_BATCHES)
     fetches['plain'] = [y] + tf.gradients(tf.reduce_sum(y * y),
                                           pipe.vars.Flatten() + [x])
@@ -73,18 +73,18 @@ def testDropoutGradientsExactInEveryRematMode(k):
   # Dropout is active: about half the activations are zero.
   zeros = np.mean(values['plain'][0] == 0)
   assert 0.3 < zeros < 0.95, zeros
-  for remat in ('always', 'except_last', 'never'):
-    engine_util.AssertTransparent(values[remat], values['plain'])
+  for engine_remat in engine_util.ENGINE_REMAT_MODES:
+    engine_util.AssertTransparent(values[engine_remat], values['plain'])
 
 
-def testEachMicroBatchDrawsItsOwnMask():
+def testEachMicroBatchDrawsItsOwnMask(engine):
   """Identical micro-batches come out different: masks differ per micro-batch."""
   graph = tf.Graph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     pipe = test_util.PipeParams(DropoutCells(), num_stages=2,
-                                num_micro_batches=NUM_MICRO_BATCHES
-                               ).Instantiate()
+                                num_micro_batches=NUM_MICRO_BATCHES,
+                                engine=engine).Instantiate()
     x = tf.tile(tf.constant(X[:2]), [NUM_MICRO_BATCHES, 1])
     y = pipe.FProp(pipe.theta, x)
     with tf.compat.v1.Session(graph=graph,

@@ -74,12 +74,13 @@ def _EagerTrainStep(layer, jit_compile):
   return Step
 
 
-@pytest.mark.parametrize('num_stages,num_micro_batches,remat', [
-    (4, 4, 'always'), (2, 2, 'never')])
+@pytest.mark.parametrize('num_stages,num_micro_batches,remat,engine', [
+    (4, 4, 'always', 'unrolled'), (2, 2, 'never', 'unrolled'),
+    (4, 4, 'always', 'loop')])
 def testWholeTrainStepUnderXlaEqualsWithout(num_stages, num_micro_batches,
-                                            remat):
+                                            remat, engine):
   """Three steps, so the momentum slots created at step 1 are used too."""
-  layers = [_Pipe(num_stages, num_micro_batches, remat=remat)
+  layers = [_Pipe(num_stages, num_micro_batches, remat=remat, engine=engine)
             for _ in range(2)]
   for plain_var, xla_var in zip(layers[0].vars.Flatten(),
                                 layers[1].vars.Flatten()):
@@ -90,6 +91,29 @@ def testWholeTrainStepUnderXlaEqualsWithout(num_stages, num_micro_batches,
     expected = _Numpy(plain_step())
     engine_util.AssertTransparent(_Numpy(xla_step()), expected)
   assert expected[0] > 0  # The step did not degenerate to zero outputs.
+
+
+def _LoopCallDevices(graph):
+  """{(phase, stage): devices} of the loop engine's stage calls.
+
+  The calls sit in the branches of the loops' per-stage conds, functions
+  named '..._<phase>_stage<k>_cond_true_...'.
+
+  Args:
+    graph: A traced graph.
+
+  Returns:
+    A dict of sets of device strings.
+  """
+  devices = collections.defaultdict(set)
+  for function in graph.as_graph_def().library.function:
+    match = re.search(r'(forward|backward)_stage(\d+)_cond_true',
+                      function.signature.name)
+    if match:
+      for node in function.node_def:
+        if node.op == 'StatefulPartitionedCall':
+          devices[match.group(1), int(match.group(2))].add(node.device)
+  return dict(devices)
 
 
 def _CallDevices(graph):
@@ -115,7 +139,7 @@ def _CallDevices(graph):
   return dict(devices)
 
 
-def testMirroredStrategyReplicasOfAPipeline():
+def testMirroredStrategyReplicasOfAPipeline(engine):
   """R = 2 replicas x K = 2 stages on CPU:0,1 and CPU:2,3; SGD all-reduced."""
   num_replicas, num_stages = 2, 2
   splits = [engine_util.CPUS[:2], engine_util.CPUS[2:]]
@@ -124,7 +148,7 @@ def testMirroredStrategyReplicasOfAPipeline():
       split_size=num_stages)
   strategy = tf.distribute.MirroredStrategy([split[0] for split in splits])
   with strategy.scope():
-    layer = _Pipe(num_stages, num_micro_batches=2)
+    layer = _Pipe(num_stages, num_micro_batches=2, engine=engine)
     optimizer = tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE)
   initial = _Numpy(layer.vars.Flatten())
   assert [v.device for v in layer.vars.fc0.w.values] == [
@@ -157,11 +181,16 @@ def testMirroredStrategyReplicasOfAPipeline():
   actual = _Numpy(Step(iterator)) + _Numpy(layer.vars.Flatten())
 
   assert stage_devices == dict(enumerate(splits))
-  assert _CallDevices(Step.get_concrete_function(iterator).graph) == {
-      (0, 0): {engine_util.CPUS[0]}, (0, 1): {engine_util.CPUS[1]},
-      (0, None): {engine_util.CPUS[0], engine_util.CPUS[1]},
-      (1, 0): {engine_util.CPUS[2]}, (1, 1): {engine_util.CPUS[3]},
-      (1, None): {engine_util.CPUS[2], engine_util.CPUS[3]}}
+  graph = Step.get_concrete_function(iterator).graph
+  cpus = engine_util.CPUS
+  if engine == 'unrolled':
+    assert _CallDevices(graph) == {
+        (0, 0): {cpus[0]}, (0, 1): {cpus[1]}, (0, None): {cpus[0], cpus[1]},
+        (1, 0): {cpus[2]}, (1, 1): {cpus[3]}, (1, None): {cpus[2], cpus[3]}}
+  else:
+    assert _LoopCallDevices(graph) == {
+        (phase, k): {cpus[k], cpus[2 + k]}
+        for phase in ('forward', 'backward') for k in range(num_stages)}
 
   reference = test_util.Reference(test_util.FCCells())
   for variable, value in zip(reference.vars.Flatten(), initial):
@@ -194,12 +223,13 @@ def _ClusterSession(cluster, graph):
       config=tf.compat.v1.ConfigProto(operation_timeout_in_ms=TIMEOUT_S * 1000))
 
 
-def _TrainGraph(devices):
+def _TrainGraph(devices, engine='unrolled'):
   """One momentum step of 4 FC cells in a TF1 graph.
 
   Args:
     devices: The 2 stage devices of a K = 2, M = 2 pipeline, or None for the
       plain sequential stack on the default device (same variable names).
+    engine: The pipeline engine.
 
   Returns:
     A NestedMap: graph, init, loss, grads, variables, step (the global step),
@@ -212,7 +242,7 @@ def _TrainGraph(devices):
     if devices is None:
       layer = test_util.Reference(test_util.FCCells())
     else:
-      layer = _Pipe(2, num_micro_batches=2, devices=devices)
+      layer = _Pipe(2, num_micro_batches=2, devices=devices, engine=engine)
     loss = _Loss(layer, tf.constant(X), X.shape[0])
     variables = layer.vars.Flatten()
     grads = tf.gradients(loss, variables)
@@ -227,10 +257,10 @@ def _TrainGraph(devices):
         train=train, saver=tf.compat.v1.train.Saver())
 
 
-def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path):
+def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path, engine):
   """Stage k on task k; loss, gradients and update equal a local plain run."""
   path = str(tmp_path / 'init')
-  piped = _TrainGraph([servers.Device(0), servers.Device(1)])
+  piped = _TrainGraph([servers.Device(0), servers.Device(1)], engine)
   with _ClusterSession(servers, piped.graph) as sess:
     sess.run(piped.init)
     piped.saver.save(sess, path)

@@ -8,7 +8,7 @@ every micro-batch). Everything is split along one batch dimension.
     x_again = Merge(parts, batch_dim=0)[0]
 """
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -110,3 +110,62 @@ def Merge(micro_batches: Sequence[Sequence[MaybeTensor]],
   for parts in zip(*micro_batches):
     merged.append(None if parts[0] is None else tf.concat(parts, batch_dim))
   return merged
+
+
+def _Dims(x: tf.Tensor) -> List[Any]:
+  """The dimensions of `x`: Python ints where static, scalar tensors else."""
+  dynamic = tf.shape(x)
+  return [d if d is not None else dynamic[i]
+          for i, d in enumerate(x.shape.as_list())]
+
+
+def Stack(x: tf.Tensor, num_micro_batches: int, batch_dim: int) -> tf.Tensor:
+  """Micro-batches of `x` stacked on a new leading dimension of size M.
+
+  Micro-batch m is `Stack(x, M, d)[m]`, the same slice as `Split`'s m-th
+  piece, made with one reshape (and a transpose if batch_dim > 0) instead of
+  M slices, so the graph does not grow with M.
+
+  Args:
+    x: A tensor whose size along `batch_dim` M divides.
+    num_micro_batches: M.
+    batch_dim: The dimension to split along.
+
+  Returns:
+    A tensor of shape [M] + x's shape with the batch dimension divided by M.
+  """
+  dims = _Dims(x)
+  batch = dims[batch_dim]
+  micro = (batch // num_micro_batches if isinstance(batch, int) else -1)
+  shape = dims[:batch_dim] + [num_micro_batches, micro] + dims[batch_dim + 1:]
+  y = tf.reshape(x, tf.stack(shape) if any(
+      isinstance(d, tf.Tensor) for d in shape) else shape)
+  if batch_dim == 0:
+    return y
+  rank = len(dims) + 1
+  perm = [batch_dim] + list(range(batch_dim)) + list(range(batch_dim + 1,
+                                                           rank))
+  return tf.transpose(y, perm)
+
+
+def Unstack(stacked: tf.Tensor, batch_dim: int) -> tf.Tensor:
+  """The inverse of `Stack`: [M, ...] back to one tensor, in order.
+
+  Args:
+    stacked: Micro-batches on the leading dimension.
+    batch_dim: The batch dimension of each micro-batch (and of the result).
+
+  Returns:
+    The micro-batches concatenated along `batch_dim`.
+  """
+  rank = stacked.shape.rank
+  if batch_dim > 0:
+    perm = list(range(1, batch_dim + 1)) + [0] + list(range(batch_dim + 1,
+                                                            rank))
+    stacked = tf.transpose(stacked, perm)
+  dims = _Dims(stacked)
+  merged = (dims[batch_dim] * dims[batch_dim + 1] if all(
+      isinstance(d, int) for d in dims[batch_dim:batch_dim + 2]) else -1)
+  shape = dims[:batch_dim] + [merged] + dims[batch_dim + 2:]
+  return tf.reshape(stacked, tf.stack(shape) if any(
+      isinstance(d, tf.Tensor) for d in shape) else shape)

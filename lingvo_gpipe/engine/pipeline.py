@@ -3,15 +3,19 @@
 Knows TensorFlow, not Lingvo. A stage function maps
 `(theta, inputs, state, micro_batch_id)` to `(outputs, state)` (see
 `stage.py`). The engine splits the inputs into micro-batches, calls stage k on
-micro-batch m under `tf.device(devices[k])` in the order of
-`schedule.GPipeSchedule`, optionally re-materializes each call in the backward
-pass, and concatenates the last stage's outputs back in order. Gradients of
-the M micro-batches add up to the gradient of the mini-batch, so the step is
-the same as without the pipeline. The graph is the same in TF1 graph mode,
+micro-batch m under `tf.device(devices[k])` in the order of the GPipe
+schedule (`planning.schedule`), optionally re-materializes each call in the
+backward pass, and concatenates the last stage's outputs back in order.
+Gradients of the M micro-batches add up to the gradient of the mini-batch, so
+the step is the same as without the pipeline. It builds in TF1 graph mode,
 inside `tf.function` and under XLA (`jit_compile=True`).
 
+Two engines build the same step: 'unrolled' (`unrolled.py`, K x M calls in
+the graph) and 'loop' (`loop.py`, while loops over clock ticks: the graph
+does not grow with M).
+
     pipe = Pipeline([stage0_fn, stage1_fn], devices=['/cpu:0', '/cpu:1'],
-                    num_micro_batches=4, remat='always')
+                    num_micro_batches=4, remat='always', engine='loop')
     outputs, states = pipe([theta0, theta1], [x], step=global_step)
 """
 
@@ -19,10 +23,22 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from lingvo_gpipe.engine import loop
 from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import stage as stage_lib
+from lingvo_gpipe.engine import unrolled
 from lingvo_gpipe.planning import checks
 from lingvo_gpipe.planning import schedule
+
+# The engines by name (`schedule.ENGINES`): the same step, built two ways.
+_ENGINES = {'unrolled': unrolled.Run, 'loop': loop.Run}
+assert tuple(_ENGINES) == schedule.ENGINES
+
+
+def RematModes(engine: str) -> Tuple[str, ...]:
+  """The remat modes `engine` supports."""
+  return (schedule.LOOP_REMAT_MODES if engine == 'loop' else
+          schedule.REMAT_MODES)
 
 
 class Pipeline:
@@ -34,6 +50,7 @@ class Pipeline:
     devices: The K device strings ('' leaves placement to TensorFlow).
     batch_dim: The dimension inputs are split along and outputs merged along.
     remat: 'always', 'except_last' or 'never'.
+    engine: 'unrolled' or 'loop'.
   """
 
   def __init__(self,
@@ -42,6 +59,7 @@ class Pipeline:
                num_micro_batches: int,
                batch_dim: int = 0,
                remat: str = 'always',
+               engine: str = 'unrolled',
                name: str = 'gpipe'):
     """Checks the configuration; builds nothing yet.
 
@@ -52,11 +70,14 @@ class Pipeline:
       batch_dim: The batch dimension of every input and output.
       remat: Which calls recompute their forward pass in the backward pass:
         'always', 'except_last' (all but the last micro-batch) or 'never'.
+      engine: 'unrolled' or 'loop' (which supports remat 'always' and
+        'never').
       name: Name scope of the pipeline's ops.
 
     Raises:
       ValueError: on an empty stage list, a device list of another length, a
-        non-positive M, a negative batch_dim or an unknown remat mode.
+        non-positive M, a negative batch_dim, an unknown remat mode or
+        engine, or a remat mode the engine does not support.
     """
     if not stage_fns:
       raise ValueError('stage_fns is empty; a pipeline needs at least 1 stage.')
@@ -66,13 +87,17 @@ class Pipeline:
                        'device per stage.')
     checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
     checks.CheckBatchDim(batch_dim)
-    schedule.CheckRemat(remat)
+    if engine == 'auto':
+      raise ValueError("engine='auto' is the layer's choice; give the engine "
+                       f'{list(schedule.ENGINES)} (schedule.ChooseEngine).')
+    schedule.CheckEngine(engine, remat)
     self._stage_fns = list(stage_fns)
     self.num_stages = len(stage_fns)
     self.devices = list(devices)
     self.num_micro_batches = num_micro_batches
     self.batch_dim = batch_dim
     self.remat = remat
+    self.engine = engine
     self._name = name
 
   def __call__(self,
@@ -114,25 +139,13 @@ class Pipeline:
 
     with tf.name_scope(self._name):
       with tf.device(self.devices[0]):
-        micro_inputs = microbatch.Split(inputs, num_micro, self.batch_dim)
         first_id = (tf.constant(0, tf.int64) if step is None else
                     tf.cast(step, tf.int64) * num_micro)
-      stages, chains = [], []
-      for k in range(num_stages):
-        stages.append(
-            stage_lib.Stage(self._stage_fns[k], f'stage {k}', self.devices[k]))
-        with tf.device(self.devices[k]):
-          chains.append(stages[k].StartChain(thetas[k]))
-      outputs = [[None] * num_micro for _ in range(num_stages)]
-      for tick in schedule.GPipeSchedule(num_stages, num_micro):
-        for k, m in tick:
-          x = micro_inputs[m] if k == 0 else outputs[k - 1][m]
-          with tf.device(self.devices[k]), tf.name_scope(f'stage{k}'):
-            outputs[k][m], states[k], chains[k] = stages[k].Call(
-                chains[k], x, states[k], first_id + m,
-                remat=training and schedule.Recomputes(
-                    self.remat, m, num_micro),
-                last=m == num_micro - 1)
-      with tf.device(self.devices[-1]):
-        merged = microbatch.Merge(outputs[-1], self.batch_dim)
-    return merged, states
+      stages = [
+          stage_lib.Stage(fn, f'stage {k}', device)
+          for k, (fn, device) in enumerate(zip(self._stage_fns, self.devices))
+      ]
+      return _ENGINES[self.engine](
+          stages, thetas, inputs, states, num_micro_batches=num_micro,
+          batch_dim=self.batch_dim, remat=self.remat, first_id=first_id,
+          training=training)

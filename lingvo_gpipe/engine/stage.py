@@ -129,9 +129,47 @@ class Stage:
     Returns:
       The chain for the stage's first micro-batch.
     """
+    return Chain(tf.zeros([], tf.float32), self.FlattenTheta(theta))
+
+  def FlattenTheta(self, theta: Any) -> List[tf.Tensor]:
+    """Reads the stage's weights once per step; returns them flat.
+
+    Args:
+      theta: A nest of tensors or variables.
+
+    Returns:
+      Identities of the flattened weights, in `tf.nest` order.
+    """
     self._theta_struct = theta
-    flat = [tf.identity(t) for t in tf.nest.flatten(theta)]
-    return Chain(tf.zeros([], tf.float32), flat)
+    return [tf.identity(t) for t in tf.nest.flatten(theta)]
+
+  def FlattenCall(self, inputs: Sequence[MaybeTensor],
+                  state: Any) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+    """Records the structure of a call's inputs and state; returns them flat.
+
+    Args:
+      inputs: The micro-batch's inputs, tensors or None.
+      state: The stage's state before the call.
+
+    Returns:
+      (x_tensors, state_flat): the inputs that are not None and the state's
+      tensors in `tf.nest` order.
+    """
+    self._input_mask = tuple(x is not None for x in inputs)
+    self._state_struct = state
+    state_flat = tf.nest.flatten(state)
+    self._num_state = len(state_flat)
+    return [x for x in inputs if x is not None], state_flat
+
+  @property
+  def output_mask(self) -> Tuple[bool, ...]:
+    """Which outputs of the body are tensors (not None); known once traced."""
+    return self._output_mask
+
+  @property
+  def num_state(self) -> int:
+    """The number of state tensors of the last recorded call."""
+    return self._num_state
 
   def _Body(self, theta_flat, x_tensors, state_flat, micro_batch_id):
     """Runs the user's body on flat arguments; returns flat outputs + state."""
@@ -210,16 +248,10 @@ class Stage:
       (outputs, state, chain): outputs with None where the body returned None,
       the new state, and the chain for the next micro-batch.
     """
-    self._input_mask = tuple(x is not None for x in inputs)
-    self._state_struct = state
-    state_flat = tf.nest.flatten(state)
-    self._num_state = len(state_flat)
-    x_tensors = [x for x in inputs if x is not None]
+    x_tensors, state_flat = self.FlattenCall(inputs, state)
     args = (chain.theta, x_tensors, state_flat, micro_batch_id)
-    if remat and not self._checked_weights:
-      self._CheckNoCapturedWeights(*args)
-      self._checked_weights = True
     if remat:
+      self.CheckNoCapturedWeights(*args)
       results, token, theta = recompute.RecomputingCall(
           self.forward, self.backward, *args, token=chain.token,
           pass_theta=not last, device=self.device)
@@ -236,8 +268,20 @@ class Stage:
     new_state = tf.nest.pack_sequence_as(state, results[num_y:])
     return outputs, new_state, Chain(token, theta)
 
-  def _CheckNoCapturedWeights(self, *args) -> None:
-    """Raises if the traced body reads trainable variables not in theta."""
+  def CheckNoCapturedWeights(self, *args) -> None:
+    """Raises if the traced body reads trainable variables not in theta.
+
+    Checked once per stage; later calls return at once.
+
+    Args:
+      *args: The arguments of a forward call (theta, x, state, id; flat).
+
+    Raises:
+      ValueError: naming the variables.
+    """
+    if self._checked_weights:
+      return
+    self._checked_weights = True
     graph = self.forward.get_concrete_function(*args).graph
     captured = [v.name for v in graph.variables if v.trainable]
     if captured:

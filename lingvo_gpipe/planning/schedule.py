@@ -10,7 +10,7 @@ which calls re-materialize live here too.
     0.2
 """
 
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from lingvo_gpipe.planning import checks
 
@@ -19,6 +19,29 @@ REMAT_MODES = ('always', 'except_last', 'never')
 
 # The phases of a stage call, in the order they run.
 PHASES = ('forward', 'recompute', 'backward')
+
+# Idle: no micro-batch at this tick (a `PhaseTable` entry).
+IDLE = -1
+
+# The engines that build a step (see lingvo_gpipe.engine), and 'auto'.
+ENGINES = ('unrolled', 'loop')
+# The remat modes the loop engine supports: it always re-materializes.
+LOOP_REMAT_MODES = ('always',)
+# 'auto' builds the loop engine once the unrolled graph would hold at least
+# this many stage calls (K * M). Below it the unrolled engine's start-up is
+# short and its steady step is faster; above it the loop engine's constant
+# graph wins on start-up plus steps (measured: docs/benchmarks.md).
+AUTO_LOOP_MIN_CALLS = 32
+
+
+class Slot(NamedTuple):
+  """What one stage does at one clock tick: a phase on a micro-batch.
+
+  A 'backward' slot includes the recompute of the forward pass when the call
+  re-materializes.
+  """
+  phase: str  # 'forward' or 'backward'.
+  micro_batch: int
 
 
 def GPipeSchedule(num_stages: int,
@@ -94,3 +117,105 @@ def Recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
   return remat == 'always' or (remat == 'except_last' and
                                micro_batch < num_micro_batches - 1)
 
+
+def GPipeTicks(num_stages: int,
+               num_micro_batches: int) -> List[List[Optional[Slot]]]:
+  """A whole GPipe training step as data: what every stage does at every tick.
+
+  The M + K - 1 forward ticks of `GPipeSchedule`, then the same ticks in
+  reverse as backward ticks. Engines read a step from this table (the loop
+  engine through `PhaseTable`), so another schedule is another table.
+
+  Args:
+    num_stages: K.
+    num_micro_batches: M.
+
+  Returns:
+    2 (M + K - 1) ticks of K entries; ticks[t][k] is stage k's `Slot` at tick
+    t, or None when the stage is idle.
+
+  Raises:
+    ValueError: if K or M is not a positive int.
+  """
+  forward = GPipeSchedule(num_stages, num_micro_batches)
+  ticks = []
+  for phase, order in (('forward', forward), ('backward', forward[::-1])):
+    for tick in order:
+      row = [None] * num_stages
+      for stage, micro_batch in tick:
+        row[stage] = Slot(phase, micro_batch)
+      ticks.append(row)
+  return ticks
+
+
+def PhaseTable(ticks: Sequence[Sequence[Optional[Slot]]],
+               phase: str) -> List[List[int]]:
+  """The ticks of one phase as micro-batch numbers, `IDLE` where idle.
+
+  Args:
+    ticks: A step from e.g. `GPipeTicks`.
+    phase: 'forward' or 'backward'.
+
+  Returns:
+    One row per tick that has work of `phase`, in order: row[k] is the
+    micro-batch stage k works on, or IDLE.
+
+  Raises:
+    ValueError: if a tick mixes the phase with another one (an engine that
+      runs the phases as separate loops cannot run such a schedule).
+  """
+  table = []
+  for t, tick in enumerate(ticks):
+    phases = {slot.phase for slot in tick if slot is not None}
+    if phase not in phases:
+      continue
+    if len(phases) > 1:
+      raise ValueError(f'tick {t} mixes phases {sorted(phases)}; the loop '
+                       'engine runs all forward ticks, then all backward '
+                       'ticks.')
+    table.append([IDLE if slot is None else slot.micro_batch for slot in tick])
+  return table
+
+
+def CheckEngine(engine: str, remat: str) -> None:
+  """Raises ValueError unless `engine` ('auto' too) supports `remat`."""
+  if engine != 'auto' and engine not in ENGINES:
+    raise ValueError(f'engine={engine!r} is not supported; use one of '
+                     f'{["auto"] + list(ENGINES)}.')
+  CheckRemat(remat)
+  if engine == 'loop' and remat not in LOOP_REMAT_MODES:
+    raise ValueError(
+        f"remat={remat!r} is not supported with engine='loop', which always "
+        "re-materializes; use remat='always', or engine='unrolled' for "
+        f'remat={remat!r}.')
+
+
+def ChooseEngine(engine: str, num_stages: int, num_micro_batches: int,
+                 remat: str) -> str:
+  """The engine that builds a step: `engine` itself unless it is 'auto'.
+
+  'auto' is 'loop' when remat is 'always' and K * M >= AUTO_LOOP_MIN_CALLS,
+  else 'unrolled'.
+
+  Args:
+    engine: 'auto', 'unrolled' or 'loop'.
+    num_stages: K.
+    num_micro_batches: M.
+    remat: One of `REMAT_MODES`.
+
+  Returns:
+    'unrolled' or 'loop'.
+
+  Raises:
+    ValueError: on an unknown engine or remat mode, a remat mode the engine
+      does not support, or K or M that is not a positive int.
+  """
+  CheckEngine(engine, remat)
+  checks.CheckPositiveInt('num_stages', num_stages)
+  checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
+  if engine != 'auto':
+    return engine
+  if (remat in LOOP_REMAT_MODES and
+      num_stages * num_micro_batches >= AUTO_LOOP_MIN_CALLS):
+    return 'loop'
+  return 'unrolled'
