@@ -3,9 +3,14 @@
 TensorFlow and numpy only; no Lingvo (the engine tests must run without it).
 """
 
+import collections
+import contextlib
+import re
+
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.engine import loop
 from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.planning import schedule
 
@@ -55,3 +60,48 @@ def AssertTransparent(actual_values, expected_values, tol=1e-5):
     else:
       err = RelErr(a, e)
       assert err < tol, f'tensor {i}: relative error {err}'
+
+
+@contextlib.contextmanager
+def ObservableLoops(engine):
+  """With engine='loop', builds loops whose kernels show in step stats.
+
+  The loop engine's While and If ops normally run as function calls, whose
+  kernels RunMetadata does not report; lowered to Switch/Merge they run the
+  same ops on the same devices, and step stats list them.
+
+  Args:
+    engine: 'unrolled' (nothing changes) or 'loop'.
+
+  Yields:
+    Nothing.
+  """
+  saved = loop.LOWER_CONTROL_FLOW
+  loop.LOWER_CONTROL_FLOW = engine == 'loop'
+  try:
+    yield
+  finally:
+    loop.LOWER_CONTROL_FLOW = saved
+
+
+def LoopCallDevices(graph):
+  """{(phase, stage): devices} of the loop engine's stage calls in `graph`.
+
+  The calls sit in the branches of the loops' per-stage conds, functions
+  named '...stage<k>_<phase>_true_...'.
+
+  Args:
+    graph: A graph with the loop engine's loops (TF1 or tf.function's).
+
+  Returns:
+    A dict of sets of device strings.
+  """
+  devices = collections.defaultdict(set)
+  for function in graph.as_graph_def().library.function:
+    match = re.search(r'stage(\d+)_(forward|backward)_true',
+                      function.signature.name)
+    if match:
+      for node in function.node_def:
+        if node.op == 'StatefulPartitionedCall':
+          devices[match.group(2), int(match.group(1))].add(node.device)
+  return dict(devices)

@@ -66,12 +66,21 @@ def testStageCallsArePlacedOnTheirDevices():
 ])
 def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
   """Cell k's kernels ran on CPU:k; with remat each forward ran twice."""
-  _, step_stats = _TracedStep(remat, engine=engine)
+  with engine_util.ObservableLoops(engine):
+    _, step_stats = _TracedStep(remat, engine=engine)
   expected = {}
   for k, device in enumerate(engine_util.CPUS):
     expected[(k, device, False)] = forward_runs  # M forwards (+ M recomputes).
     expected[(k, device, True)] = 2  # One weight gradient per micro-batch.
   assert dict(test_util.FCKernelRuns(step_stats)) == expected
+
+
+def testLoopStageCallsCarryTheirDevices():
+  """The loops as they normally run hold each stage's calls on its device."""
+  graph, _ = _TracedStep('always', engine='loop')
+  assert engine_util.LoopCallDevices(graph) == {
+      (phase, k): {f'/device:CPU:{k}'}
+      for phase in ('forward', 'backward') for k in range(4)}
 
 
 def testResolution():

@@ -93,29 +93,6 @@ def testWholeTrainStepUnderXlaEqualsWithout(num_stages, num_micro_batches,
   assert expected[0] > 0  # The step did not degenerate to zero outputs.
 
 
-def _LoopCallDevices(graph):
-  """{(phase, stage): devices} of the loop engine's stage calls.
-
-  The calls sit in the branches of the loops' per-stage conds, functions
-  named '..._<phase>_stage<k>_cond_true_...'.
-
-  Args:
-    graph: A traced graph.
-
-  Returns:
-    A dict of sets of device strings.
-  """
-  devices = collections.defaultdict(set)
-  for function in graph.as_graph_def().library.function:
-    match = re.search(r'(forward|backward)_stage(\d+)_cond_true',
-                      function.signature.name)
-    if match:
-      for node in function.node_def:
-        if node.op == 'StatefulPartitionedCall':
-          devices[match.group(1), int(match.group(2))].add(node.device)
-  return dict(devices)
-
-
 def _CallDevices(graph):
   """{(replica, stage or None): devices} of the pipeline's function calls.
 
@@ -188,7 +165,7 @@ def testMirroredStrategyReplicasOfAPipeline(engine):
         (0, 0): {cpus[0]}, (0, 1): {cpus[1]}, (0, None): {cpus[0], cpus[1]},
         (1, 0): {cpus[2]}, (1, 1): {cpus[3]}, (1, None): {cpus[2], cpus[3]}}
   else:
-    assert _LoopCallDevices(graph) == {
+    assert engine_util.LoopCallDevices(graph) == {
         (phase, k): {cpus[k], cpus[2 + k]}
         for phase in ('forward', 'backward') for k in range(num_stages)}
 
@@ -260,7 +237,8 @@ def _TrainGraph(devices, engine='unrolled'):
 def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path, engine):
   """Stage k on task k; loss, gradients and update equal a local plain run."""
   path = str(tmp_path / 'init')
-  piped = _TrainGraph([servers.Device(0), servers.Device(1)], engine)
+  with engine_util.ObservableLoops(engine):
+    piped = _TrainGraph([servers.Device(0), servers.Device(1)], engine)
   with _ClusterSession(servers, piped.graph) as sess:
     sess.run(piped.init)
     piped.saver.save(sess, path)

@@ -32,12 +32,18 @@ STEPS = 20
 COMMON = [f'--model={MODEL}', '--num_devices=4', '--stateless_vars_init',
           '--log_every=1']
 _TWO_STAGES = '--model_params_override=task.stack.num_stages: 2'
+_LOOP = '--model_params_override=task.stack.engine: "loop"'
 RUNS = {
     'graph': COMMON + ['--logdir={tmp}/graph', f'--max_steps={STEPS}'],
     'eager': COMMON + ['--logdir={tmp}/eager', '--max_steps=6', '--use_eager'],
     # 2 data-parallel replicas (Lingvo towers) of a 2-stage pipeline.
     'replicas': COMMON + ['--logdir={tmp}/replicas', '--max_steps=6',
                           '--split_size=2', _TWO_STAGES],
+    # The loop engine through Lingvo's runner, graph and eager mode.
+    'loop_graph': COMMON + ['--logdir={tmp}/loop_graph', '--max_steps=6',
+                            _LOOP],
+    'loop_eager': COMMON + ['--logdir={tmp}/loop_eager', '--max_steps=6',
+                            '--use_eager', _LOOP],
     'bad_model': ['--model=lm.NoSuchModel', '--logdir={tmp}/bad'],
     'bad_value': [f'--model={MODEL}', '--num_devices=0', '--logdir={tmp}/bad'],
     'too_few_devices': [f'--model={MODEL}', '--num_devices=2',
@@ -116,7 +122,8 @@ def _ProgressSteps(stdout):
 
 
 @pytest.mark.parametrize('name,steps', [('graph', STEPS), ('eager', 6),
-                                        ('replicas', 6)])
+                                        ('replicas', 6), ('loop_graph', 6),
+                                        ('loop_eager', 6)])
 def testTrainsAndLossDecreases(runs, name, steps):
   model, last_step, first, last, rate, ckpt = _Trained(runs, name)
   assert (model, int(last_step)) == (MODEL, steps)
@@ -147,6 +154,21 @@ def testGraphAndEagerModesAgree(runs):
   graph_first = _Trained(runs, 'graph')[2]
   eager_first = _Trained(runs, 'eager')[2]
   assert abs(float(graph_first) - float(eager_first)) < 1e-3
+
+
+def _StepLosses(stdout):
+  return [float(l) for l in re.findall(r'^step +\d+ +loss ([\d.]+)', stdout,
+                                       re.M)]
+
+
+@pytest.mark.parametrize('loop,unrolled', [('loop_graph', 'graph'),
+                                           ('loop_eager', 'eager')])
+def testLoopEngineTrainsLikeTheUnrolledOne(runs, loop, unrolled):
+  """Same weights and batches: the same loss at every step, either engine."""
+  loop_losses = _StepLosses(runs[loop][1])
+  unrolled_losses = _StepLosses(runs[unrolled][1])[:len(loop_losses)]
+  assert len(loop_losses) == 6
+  np.testing.assert_allclose(loop_losses, unrolled_losses, rtol=1e-4)
 
 
 def testKilledRunResumesWithIdenticalVariables(runs):
