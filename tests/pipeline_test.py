@@ -146,3 +146,29 @@ def testIndivisibleBatchFailsBeforeBuilding(engine):
     with pytest.raises(ValueError, match='does not divide the batch size 8'):
       pipe([[]], [x, None])
     assert len(graph.get_operations()) == num_ops
+
+
+def _HloLines(engine, num_micro_batches):
+  """Lines of the XLA HLO of a K=4 training step's gradients."""
+  ws = [tf.constant(w) for w in WEIGHTS]
+  x = tf.constant(np.tile(X, [4, 1]))  # Batch 32: M up to 32.
+
+  @tf.function(jit_compile=True, autograph=False)
+  def Step():
+    with tf.GradientTape() as tape:
+      tape.watch(ws)
+      y, states = Piped(ws, x, 4, num_micro_batches, 'always', [''] * 4,
+                        engine)
+      loss = Loss(y, states[-1]['aux'])
+    return tape.gradient(loss, ws)
+
+  return len(Step.experimental_get_compiler_ir()(stage='hlo').splitlines())
+
+
+def testLoopGraphDoesNotGrowWithM():
+  """The loop engine's compiled step is the same size for M = 4 and 32."""
+  loop = [_HloLines('loop', m) for m in (4, 32)]
+  unrolled = [_HloLines('unrolled', m) for m in (4, 32)]
+  assert loop[0] == loop[1], loop
+  assert unrolled[1] > 5 * unrolled[0], unrolled  # K x M calls.
+  assert loop[1] < unrolled[1] / 3, (loop, unrolled)

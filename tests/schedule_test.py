@@ -217,3 +217,56 @@ def testRecomputes():
   assert [schedule.Recomputes('except_last', m, 3) for m in range(3)] == [
       True, True, False]
   assert [schedule.Recomputes('never', m, 3) for m in range(3)] == [False] * 3
+
+
+@pytest.mark.parametrize('k,m', [(1, 1), (2, 3), (4, 8), (3, 1)])
+def testGPipeTicksAreTheForwardTicksThenTheirReverse(k, m):
+  ticks = schedule.GPipeTicks(k, m)
+  assert len(ticks) == 2 * (m + k - 1)
+  assert all(len(tick) == k for tick in ticks)
+  forward = schedule.PhaseTable(ticks, 'forward')
+  backward = schedule.PhaseTable(ticks, 'backward')
+  assert backward == forward[::-1]
+  for t, row in enumerate(forward):
+    assert row == [t - s if 0 <= t - s < m else schedule.IDLE
+                   for s in range(k)]
+  # Every stage runs every micro-batch once per phase.
+  for table in (forward, backward):
+    for s in range(k):
+      assert sorted(r[s] for r in table if r[s] != schedule.IDLE) == list(
+          range(m))
+
+
+def testPhaseTableRejectsMixedTicks():
+  one_f_one_b = [[schedule.Slot('forward', 0), None],
+                 [schedule.Slot('forward', 1), schedule.Slot('forward', 0)],
+                 [schedule.Slot('forward', 2), schedule.Slot('backward', 0)]]
+  assert schedule.PhaseTable(one_f_one_b[:2], 'forward') == [[0, -1], [1, 0]]
+  with pytest.raises(ValueError, match=r"tick 2 mixes phases \['backward', "
+                     r"'forward'\]"):
+    schedule.PhaseTable(one_f_one_b, 'forward')
+
+
+@pytest.mark.parametrize('engine,k,m,remat,expected', [
+    ('auto', 4, 7, 'always', 'unrolled'),
+    ('auto', 4, 8, 'always', 'loop'),
+    ('auto', 1, 32, 'always', 'loop'),
+    ('auto', 8, 64, 'never', 'unrolled'),
+    ('auto', 8, 64, 'except_last', 'unrolled'),
+    ('unrolled', 8, 64, 'always', 'unrolled'),
+    ('loop', 1, 1, 'always', 'loop'),
+])
+def testChooseEngine(engine, k, m, remat, expected):
+  assert schedule.AUTO_LOOP_MIN_CALLS == 32
+  assert schedule.ChooseEngine(engine, k, m, remat) == expected
+
+
+@pytest.mark.parametrize('engine,remat,message', [
+    ('fast', 'always', r"engine='fast' is not supported; use one of \['auto', "
+     r"'unrolled', 'loop'\]"),
+    ('loop', 'never', "remat='never' is not supported with engine='loop'"),
+    ('auto', 'often', "remat='often' is not supported"),
+])
+def testChooseEngineErrors(engine, remat, message):
+  with pytest.raises(ValueError, match=message):
+    schedule.ChooseEngine(engine, 2, 2, remat)
