@@ -141,8 +141,10 @@ class Pipeline:
       with tf.device(self.devices[0]):
         first_id = (tf.constant(0, tf.int64) if step is None else
                     tf.cast(step, tf.int64) * num_micro)
+      # The unrolled engine's forward calls are inlined into this graph.
       stages = [
-          stage_lib.Stage(fn, f'stage {k}', device)
+          stage_lib.Stage(fn, f'stage {k}', device,
+                          pin_forward=self.engine == 'unrolled')
           for k, (fn, device) in enumerate(zip(self._stage_fns, self.devices))
       ]
       return _ENGINES[self.engine](

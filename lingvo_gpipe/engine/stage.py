@@ -23,6 +23,7 @@ held M times and added at the end (torchgpipe's fork/join, done with tensors).
                                        last=False)
 """
 
+import contextlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
@@ -92,18 +93,26 @@ class Stage:
     device: The device of the stage's ops.
   """
 
-  def __init__(self, stage_fn: StageFn, name: str, device: str):
+  def __init__(self, stage_fn: StageFn, name: str, device: str,
+               pin_forward: bool = True):
     """Wraps `stage_fn`.
 
     Args:
       stage_fn: The stage body, see the module docstring.
       name: A name for error messages and the traced functions.
       device: Where the stage's forward and backward ops run ('' = default).
-        Set inside the traced bodies too: when TensorFlow inlines a function
-        it does not place the body on the caller's device.
+        Callers place the calls on it.
+      pin_forward: Whether the traced forward body places its ops on `device`
+        itself. Needed where TensorFlow inlines the forward call into the
+        caller's graph (the unrolled engine): inlining does not place the body
+        on the call's device. A body that runs as a call (the backward always,
+        both in the loop engine) runs on the call's device; pinned inside, it
+        would run as a multi-device function (about six executor runs per
+        call instead of one).
     """
     self.name = name
     self.device = device
+    self._pin_forward = pin_forward
     self._stage_fn = stage_fn
     self._theta_struct = None
     self._state_struct = None
@@ -171,14 +180,26 @@ class Stage:
     """The number of state tensors of the last recorded call."""
     return self._num_state
 
-  def _Body(self, theta_flat, x_tensors, state_flat, micro_batch_id):
-    """Runs the user's body on flat arguments; returns flat outputs + state."""
+  def _Body(self, theta_flat, x_tensors, state_flat, micro_batch_id, pinned):
+    """Runs the user's body on flat arguments; returns flat outputs + state.
+
+    Args:
+      theta_flat: Flat weights.
+      x_tensors: The micro-batch inputs that are not None.
+      state_flat: Flat state before this micro-batch.
+      micro_batch_id: int64 scalar.
+      pinned: Whether to place the body's ops on the stage's device.
+
+    Returns:
+      (outputs, state): the body's outputs that are not None and its flat new
+      state.
+    """
     theta = tf.nest.pack_sequence_as(self._theta_struct, list(theta_flat))
     tensors = iter(x_tensors)
     inputs = tuple(next(tensors) if present else None
                    for present in self._input_mask)
     state = tf.nest.pack_sequence_as(self._state_struct, list(state_flat))
-    with tf.device(self.device):
+    with tf.device(self.device) if pinned else contextlib.nullcontext():
       outputs, new_state = self._stage_fn(theta, inputs, state, micro_batch_id)
     if not isinstance(outputs, (tuple, list)):
       outputs = (outputs,)
@@ -196,7 +217,8 @@ class Stage:
     return [y for y in outputs if y is not None], new_state_flat
 
   def _Forward(self, theta_flat, x_tensors, state_flat, micro_batch_id):
-    y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id)
+    y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id,
+                          self._pin_forward)
     return y + state
 
   def _Backward(self, theta_flat, x_tensors, state_flat, micro_batch_id,
@@ -215,7 +237,8 @@ class Stage:
       Gradients for theta_flat + x_tensors + state_flat, one per entry; zeros
       for unconnected differentiable entries, None for the others.
     """
-    y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id)
+    y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id,
+                          pinned=False)
     ys, dys = [], []
     for out, d_out in zip(y + state, d_outputs):
       if d_out is not None:
