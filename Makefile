@@ -14,13 +14,13 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt setup.py tools/lingvo_compat.py
+$(STAMP): requirements.txt setup.py $(wildcard glibc_compat/*.py) glibc_compat/shim.cc
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "lingvo_gpipe needs Python 3.11 (tensorflow 2.21 + lingvo 0.14.2); $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=/path/to/python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(LINGVO)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(PY) tools/lingvo_compat.py --venv $(VENV)
+	$(PY) -m glibc_compat --venv $(VENV)
 	@touch $@
 
 # The LM on 4 local CPU devices through Lingvo's runner, with Lingvo's evaler
