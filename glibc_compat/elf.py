@@ -1,4 +1,4 @@
-"""Reads the dynamic-linking parts of ELF shared objects and edits version needs.
+"""Reads the dynamic-linking parts of ELF shared objects; edits version needs.
 
 Just enough of the ELF format (64-bit little-endian only) to answer what a
 shared object needs from the host's libraries and to relax those needs:
@@ -16,10 +16,11 @@ layout and is left to ``patchelf``. Standard library only.
 """
 
 import dataclasses
+import itertools
 import os
 import struct
 import tempfile
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 # ELF constants (see elf.h).
 _ELFCLASS64 = 2
@@ -177,30 +178,41 @@ class ElfFile:
   def _LinkedString(self, section: Section, offset: int) -> str:
     return self._CString(self.sections[section.link].offset + offset)
 
+  def _Chain(self, pos: int, end: Optional[int],
+             fmt: str) -> Iterator[Tuple[int, Tuple[int, ...]]]:
+    """Yields (offset, fields) of records linked by their last field.
+
+    The version sections chain their entries: the last field of each record
+    is the distance to the next one, 0 after the last.
+
+    Args:
+      pos: Offset of the first record.
+      end: Stop before this offset (None: follow the links only).
+      fmt: The record's `struct` format; its last field is the link.
+    """
+    while end is None or pos < end:
+      fields = struct.unpack_from(fmt, self.data, pos)
+      yield pos, fields
+      if not fields[-1]:
+        return
+      pos += fields[-1]
+
   def VersionNeeds(self) -> List[VersionNeed]:
     """Returns the entries of ``.gnu.version_r`` (empty if absent)."""
     section = self._SectionOfType(_SHT_GNU_VERNEED)
-    result = []
     if section is None:
-      return result
-    pos = section.offset
-    end = section.offset + section.size
-    while pos < end:
-      _, cnt, file_off, aux, nxt = struct.unpack_from('<HHIII', self.data, pos)
+      return []
+    result = []
+    # Elf64_Verneed: version, cnt, file, aux, next; Elf64_Vernaux: hash,
+    # flags, other, name, next.
+    for pos, (_, cnt, file_off, aux, _) in self._Chain(
+        section.offset, section.offset + section.size, '<HHIII'):
       file_name = self._LinkedString(section, file_off)
-      aux_pos = pos + aux
-      for _ in range(cnt):
-        _, flags, other, name_off, aux_next = struct.unpack_from(
-            '<IHHII', self.data, aux_pos)
+      for aux_pos, (_, flags, other, name_off, _) in itertools.islice(
+          self._Chain(pos + aux, None, '<IHHII'), cnt):
         result.append(
             VersionNeed(file_name, self._LinkedString(section, name_off),
                         flags, other, aux_pos))
-        if not aux_next:
-          break
-        aux_pos += aux_next
-      if not nxt:
-        break
-      pos += nxt
     return result
 
   def VersionDefinitions(self) -> List[str]:
@@ -209,20 +221,15 @@ class ElfFile:
     The base definition (the file's own soname) is left out.
     """
     section = self._SectionOfType(_SHT_GNU_VERDEF)
-    result = []
     if section is None:
-      return result
-    pos = section.offset
-    end = section.offset + section.size
-    while pos < end:
-      _, flags, _, cnt, _, aux, nxt = struct.unpack_from(
-          '<HHHHIII', self.data, pos)
+      return []
+    result = []
+    # Elf64_Verdef: version, flags, ndx, cnt, hash, aux, next.
+    for pos, (_, flags, _, cnt, _, aux, _) in self._Chain(
+        section.offset, section.offset + section.size, '<HHHHIII'):
       if cnt and not flags & _VER_FLG_BASE:
         name_off, = struct.unpack_from('<I', self.data, pos + aux)
         result.append(self._LinkedString(section, name_off))
-      if not nxt:
-        break
-      pos += nxt
     return result
 
   def DynamicSymbols(self) -> List[DynamicSymbol]:

@@ -19,20 +19,40 @@
 #include <ios>
 
 #define LC_EXPORT extern "C" __attribute__((visibility("default")))
+#define LC_LIST(...) __VA_ARGS__
+
+// __isoc23_<name> (a C23 strto*/wcsto* function) forwarding to <name>.
+#define LC_STRTO(type, char_t, name)                              \
+  extern "C" type lc_##name(const char_t*, char_t**, int)        \
+      __asm__(#name);                                              \
+  LC_EXPORT type lc23_##name(const char_t* s, char_t** e, int b) \
+      __asm__("__isoc23_" #name);                                  \
+  type lc23_##name(const char_t* s, char_t** e, int b) {         \
+    return lc_##name(s, e, b);                                     \
+  }
+
+// __isoc23_v<name>(params, va_list) forwarding to __isoc99_v<name>; params
+// end with the format f, args name them.
+#define LC_VSCANF(name, params, args)                     \
+  LC_EXPORT int lc23_v##name(LC_LIST params, va_list ap) \
+      __asm__("__isoc23_v" #name);                         \
+  int lc23_v##name(LC_LIST params, va_list ap) {         \
+    return lc_v##name(LC_LIST args, ap);                   \
+  }
+
+// __isoc23_<name>(params, ...) passing its arguments to __isoc99_v<name>.
+#define LC_SCANF(name, params, args)                 \
+  LC_EXPORT int lc23_##name(LC_LIST params, ...)    \
+      __asm__("__isoc23_" #name);                    \
+  int lc23_##name(LC_LIST params, ...) {            \
+    va_list ap;                                      \
+    va_start(ap, f);                                 \
+    int r = lc_v##name(LC_LIST args, ap);            \
+    va_end(ap);                                      \
+    return r;                                        \
+  }
 
 extern "C" {
-long lc_strtol(const char*, char**, int) __asm__("strtol");
-unsigned long lc_strtoul(const char*, char**, int) __asm__("strtoul");
-long long lc_strtoll(const char*, char**, int) __asm__("strtoll");
-unsigned long long lc_strtoull(const char*, char**, int)
-    __asm__("strtoull");
-intmax_t lc_strtoimax(const char*, char**, int) __asm__("strtoimax");
-uintmax_t lc_strtoumax(const char*, char**, int) __asm__("strtoumax");
-long lc_wcstol(const wchar_t*, wchar_t**, int) __asm__("wcstol");
-unsigned long lc_wcstoul(const wchar_t*, wchar_t**, int) __asm__("wcstoul");
-long long lc_wcstoll(const wchar_t*, wchar_t**, int) __asm__("wcstoll");
-unsigned long long lc_wcstoull(const wchar_t*, wchar_t**, int)
-    __asm__("wcstoull");
 int lc_vsscanf(const char*, const char*, va_list) __asm__("__isoc99_vsscanf");
 int lc_vfscanf(FILE*, const char*, va_list) __asm__("__isoc99_vfscanf");
 int lc_vscanf(const char*, va_list) __asm__("__isoc99_vscanf");
@@ -40,122 +60,52 @@ void* lc_cxa_begin_catch(void*) noexcept __asm__("__cxa_begin_catch");
 }
 
 #ifdef LC_ISOC23_STRTOL
-LC_EXPORT long lc23_strtol(const char* s, char** e, int b)
-    __asm__("__isoc23_strtol");
-long lc23_strtol(const char* s, char** e, int b) { return lc_strtol(s, e, b); }
+LC_STRTO(long, char, strtol)
 #endif
 #ifdef LC_ISOC23_STRTOUL
-LC_EXPORT unsigned long lc23_strtoul(const char* s, char** e, int b)
-    __asm__("__isoc23_strtoul");
-unsigned long lc23_strtoul(const char* s, char** e, int b) {
-  return lc_strtoul(s, e, b);
-}
+LC_STRTO(unsigned long, char, strtoul)
 #endif
 #ifdef LC_ISOC23_STRTOLL
-LC_EXPORT long long lc23_strtoll(const char* s, char** e, int b)
-    __asm__("__isoc23_strtoll");
-long long lc23_strtoll(const char* s, char** e, int b) {
-  return lc_strtoll(s, e, b);
-}
+LC_STRTO(long long, char, strtoll)
 #endif
 #ifdef LC_ISOC23_STRTOULL
-LC_EXPORT unsigned long long lc23_strtoull(const char* s, char** e, int b)
-    __asm__("__isoc23_strtoull");
-unsigned long long lc23_strtoull(const char* s, char** e, int b) {
-  return lc_strtoull(s, e, b);
-}
+LC_STRTO(unsigned long long, char, strtoull)
 #endif
 #ifdef LC_ISOC23_STRTOIMAX
-LC_EXPORT intmax_t lc23_strtoimax(const char* s, char** e, int b)
-    __asm__("__isoc23_strtoimax");
-intmax_t lc23_strtoimax(const char* s, char** e, int b) {
-  return lc_strtoimax(s, e, b);
-}
+LC_STRTO(intmax_t, char, strtoimax)
 #endif
 #ifdef LC_ISOC23_STRTOUMAX
-LC_EXPORT uintmax_t lc23_strtoumax(const char* s, char** e, int b)
-    __asm__("__isoc23_strtoumax");
-uintmax_t lc23_strtoumax(const char* s, char** e, int b) {
-  return lc_strtoumax(s, e, b);
-}
+LC_STRTO(uintmax_t, char, strtoumax)
 #endif
 #ifdef LC_ISOC23_WCSTOL
-LC_EXPORT long lc23_wcstol(const wchar_t* s, wchar_t** e, int b)
-    __asm__("__isoc23_wcstol");
-long lc23_wcstol(const wchar_t* s, wchar_t** e, int b) {
-  return lc_wcstol(s, e, b);
-}
+LC_STRTO(long, wchar_t, wcstol)
 #endif
 #ifdef LC_ISOC23_WCSTOUL
-LC_EXPORT unsigned long lc23_wcstoul(const wchar_t* s, wchar_t** e, int b)
-    __asm__("__isoc23_wcstoul");
-unsigned long lc23_wcstoul(const wchar_t* s, wchar_t** e, int b) {
-  return lc_wcstoul(s, e, b);
-}
+LC_STRTO(unsigned long, wchar_t, wcstoul)
 #endif
 #ifdef LC_ISOC23_WCSTOLL
-LC_EXPORT long long lc23_wcstoll(const wchar_t* s, wchar_t** e, int b)
-    __asm__("__isoc23_wcstoll");
-long long lc23_wcstoll(const wchar_t* s, wchar_t** e, int b) {
-  return lc_wcstoll(s, e, b);
-}
+LC_STRTO(long long, wchar_t, wcstoll)
 #endif
 #ifdef LC_ISOC23_WCSTOULL
-LC_EXPORT unsigned long long lc23_wcstoull(const wchar_t* s, wchar_t** e,
-                                           int b) __asm__("__isoc23_wcstoull");
-unsigned long long lc23_wcstoull(const wchar_t* s, wchar_t** e, int b) {
-  return lc_wcstoull(s, e, b);
-}
+LC_STRTO(unsigned long long, wchar_t, wcstoull)
 #endif
 #ifdef LC_ISOC23_SSCANF
-LC_EXPORT int lc23_sscanf(const char* s, const char* f, ...)
-    __asm__("__isoc23_sscanf");
-int lc23_sscanf(const char* s, const char* f, ...) {
-  va_list ap;
-  va_start(ap, f);
-  int r = lc_vsscanf(s, f, ap);
-  va_end(ap);
-  return r;
-}
+LC_SCANF(sscanf, (const char* s, const char* f), (s, f))
 #endif
 #ifdef LC_ISOC23_VSSCANF
-LC_EXPORT int lc23_vsscanf(const char* s, const char* f, va_list ap)
-    __asm__("__isoc23_vsscanf");
-int lc23_vsscanf(const char* s, const char* f, va_list ap) {
-  return lc_vsscanf(s, f, ap);
-}
+LC_VSCANF(sscanf, (const char* s, const char* f), (s, f))
 #endif
 #ifdef LC_ISOC23_FSCANF
-LC_EXPORT int lc23_fscanf(FILE* s, const char* f, ...)
-    __asm__("__isoc23_fscanf");
-int lc23_fscanf(FILE* s, const char* f, ...) {
-  va_list ap;
-  va_start(ap, f);
-  int r = lc_vfscanf(s, f, ap);
-  va_end(ap);
-  return r;
-}
+LC_SCANF(fscanf, (FILE* s, const char* f), (s, f))
 #endif
 #ifdef LC_ISOC23_VFSCANF
-LC_EXPORT int lc23_vfscanf(FILE* s, const char* f, va_list ap)
-    __asm__("__isoc23_vfscanf");
-int lc23_vfscanf(FILE* s, const char* f, va_list ap) {
-  return lc_vfscanf(s, f, ap);
-}
+LC_VSCANF(fscanf, (FILE* s, const char* f), (s, f))
 #endif
 #ifdef LC_ISOC23_SCANF
-LC_EXPORT int lc23_scanf(const char* f, ...) __asm__("__isoc23_scanf");
-int lc23_scanf(const char* f, ...) {
-  va_list ap;
-  va_start(ap, f);
-  int r = lc_vscanf(f, ap);
-  va_end(ap);
-  return r;
-}
+LC_SCANF(scanf, (const char* f), (f))
 #endif
 #ifdef LC_ISOC23_VSCANF
-LC_EXPORT int lc23_vscanf(const char* f, va_list ap) __asm__("__isoc23_vscanf");
-int lc23_vscanf(const char* f, va_list ap) { return lc_vscanf(f, ap); }
+LC_VSCANF(scanf, (const char* f), (f))
 #endif
 
 #ifdef LC_IOS_BASE_LIBRARY_INIT
