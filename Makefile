@@ -14,12 +14,15 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 setup: $(STAMP)
 
+# Installs the library alone, editable (PEP 660): nothing else of the
+# repository lands on sys.path; tools/ find the repository root themselves
+# (tools/__init__.py), the tests through setup.cfg.
 $(STAMP): requirements.txt setup.py $(wildcard glibc_compat/*.py) glibc_compat/shim.cc
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "lingvo_gpipe needs Python 3.11 (tensorflow 2.21 + lingvo 0.14.2); $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=/path/to/python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(LINGVO)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --use-pep517 -e .
 	$(PY) -m glibc_compat --venv $(VENV)
 	@touch $@
 
