@@ -10,7 +10,11 @@ LOGDIR ?= /tmp/lingvo_gpipe/lm
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup train test clean
+BAZELRC := $(VENV)/bazelrc
+STANDINS := $(CURDIR)/third_party/bazel
+BAZEL_TARGETS ?= //...
+
+.PHONY: setup train test bazel-test clean
 
 setup: $(STAMP)
 
@@ -34,6 +38,22 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The tests under Bazel 4.2.3 (Debian's bazel-bootstrap, installed if
+# missing), offline. Not what CI runs; see docs/install.md for what passes.
+bazel-test: $(BAZELRC)
+	@command -v bazel >/dev/null || apt-get install -y bazel-bootstrap
+	bazel test $(BAZEL_TARGETS)
+
+# Bazel flags naming absolute paths; .bazelrc imports this file.
+$(BAZELRC): $(STAMP) Makefile
+	@printf '%s\n' \
+	    '# Written by make; imported by .bazelrc.' \
+	    $(foreach cmd,build query,$(foreach repo,rules_cc rules_java remote_coverage_tools,'$(cmd) --override_repository=$(repo)=$(STANDINS)/$(repo)') \
+	        '$(cmd) --override_repository=platforms=/usr/share/bazel/platforms') \
+	    'build --python_path=$(CURDIR)/$(PY)' \
+	    "test --test_env=PYTHONPATH=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	    > $@
 
 clean:
 	rm -rf $(VENV)
