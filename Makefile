@@ -10,17 +10,24 @@ LOGDIR ?= /tmp/lingvo_gpipe/lm
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup train test clean
+BAZELRC := $(VENV)/bazelrc
+STANDINS := $(CURDIR)/third_party/bazel
+BAZEL_TARGETS ?= //...
+
+.PHONY: setup train test bazel-test clean
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt setup.py tools/lingvo_compat.py
+# Installs the library alone, editable (PEP 660): nothing else of the
+# repository lands on sys.path; tools/ find the repository root themselves
+# (tools/__init__.py), the tests through setup.cfg.
+$(STAMP): requirements.txt setup.py $(wildcard glibc_compat/*.py) glibc_compat/shim.cc
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "lingvo_gpipe needs Python 3.11 (tensorflow 2.21 + lingvo 0.14.2); $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=/path/to/python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(LINGVO)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(PY) tools/lingvo_compat.py --venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --use-pep517 -e .
+	$(PY) -m glibc_compat --venv $(VENV)
 	@touch $@
 
 # The LM on 4 local CPU devices through Lingvo's runner, with Lingvo's evaler
@@ -31,6 +38,22 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The tests under Bazel 4.2.3 (Debian's bazel-bootstrap, installed if
+# missing), offline. Not what CI runs; see docs/install.md for what passes.
+bazel-test: $(BAZELRC)
+	@command -v bazel >/dev/null || apt-get install -y bazel-bootstrap
+	bazel test $(BAZEL_TARGETS)
+
+# Bazel flags naming absolute paths; .bazelrc imports this file.
+$(BAZELRC): $(STAMP) Makefile
+	@printf '%s\n' \
+	    '# Written by make; imported by .bazelrc.' \
+	    $(foreach cmd,build query,$(foreach repo,rules_cc rules_java remote_coverage_tools,'$(cmd) --override_repository=$(repo)=$(STANDINS)/$(repo)') \
+	        '$(cmd) --override_repository=platforms=/usr/share/bazel/platforms') \
+	    'build --python_path=$(CURDIR)/$(PY)' \
+	    "test --test_env=PYTHONPATH=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	    > $@
 
 clean:
 	rm -rf $(VENV)

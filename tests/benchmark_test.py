@@ -1,35 +1,21 @@
-"""Tests of tools/benchmark.py, run as a subprocess like a user would.
+"""Tests of tools/benchmark.py and the benchmarks package.
 
-One tiny end-to-end `memory` run and one tiny `speed` run (each configuration
-and budget probe is a subprocess importing TensorFlow, several seconds each)
-plus error cases that fail before any measurement. No timing or memory values are asserted. The
-largest-model search is tested in-process on synthetic memory curves.
+tools/benchmark.py runs as a subprocess like a user would: one tiny
+end-to-end `memory` run and one tiny `speed` run (each configuration and
+budget probe is a worker process importing TensorFlow, several seconds each)
+plus error cases that fail before any measurement. No timing or memory values
+are asserted. The largest-model search (`benchmarks.memory`) is tested
+in-process on synthetic memory curves.
 """
 
-import importlib.util
 import json
 import math
 import os
-import sys
 
 import pytest
 
+from benchmarks import memory
 import tool_util
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _LoadTool():
-  """tools/benchmark.py as a module (it imports TensorFlow only in workers)."""
-  sys.path.insert(0, os.path.join(ROOT, 'tools'))  # For its `import cli`.
-  spec = importlib.util.spec_from_file_location(
-      'benchmark_tool', os.path.join(ROOT, 'tools', 'benchmark.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-benchmark = _LoadTool()
 
 # Four configurations (plain + M=2 in every remat mode) of 4 FCLayers whose
 # activations (1 MiB) are above the allocator statistics' 0.25 MiB
@@ -174,7 +160,7 @@ def _Search(peak_fn, budget, max_layers, known=None):
     probes.append(n)
     return peak_fn(n)
 
-  answer, points = benchmark.LargestUnderBudget(Measure, budget, max_layers,
+  answer, points = memory.LargestUnderBudget(Measure, budget, max_layers,
                                                 known or {})
   assert set(probes) <= set(points)
   return answer, probes

@@ -29,8 +29,8 @@ def _LoadedAfterImport(modules):
   """The top-level packages a fresh interpreter has loaded after `modules`."""
   code = ('import sys\n' + ''.join(f'import {m}\n' for m in modules) +
           "print(' '.join(sorted({n.split('.')[0] for n in sys.modules})))")
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env,
+  # `python -c` imports from its working directory, the repository root.
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT,
                        capture_output=True, text=True, check=True).stdout
   return set(out.split())
 

@@ -1,4 +1,4 @@
-"""The README's Lingvo model example builds and trains as written."""
+"""The Lingvo model examples of README.md and docs/training.md train as written."""
 
 import importlib.util
 import re
@@ -9,31 +9,39 @@ from lingvo import compat as tf
 from lingvo import model_registry
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
+import pytest
 
 import engine_util
 import tool_util
 
 
-def _ImportReadmeExample(folder):
-  """Imports the README code block that registers a model as a module.
+def _ImportExample(document, module_name, folder):
+  """Imports the code block of `document` that registers a model.
 
   Args:
-    folder: Where to write readme_example.py (Lingvo's registry wants a file).
+    document: A Markdown file, relative to the repository root.
+    module_name: The module name to import the block as (the model's
+      registry key is '<module_name>.<class name>').
+    folder: Where to write the module (Lingvo's registry wants a file).
   """
-  with open(f'{tool_util.ROOT}/README.md') as f:
+  with open(f'{tool_util.ROOT}/{document}') as f:
     blocks = re.findall(r'```python\n(.*?)```', f.read(), re.S)
   (source,) = [b for b in blocks if 'RegisterSingleTaskModel' in b]
-  path = folder / 'readme_example.py'
+  path = folder / f'{module_name}.py'
   path.write_text(source)
-  spec = importlib.util.spec_from_file_location('readme_example', path)
+  spec = importlib.util.spec_from_file_location(module_name, path)
   module = importlib.util.module_from_spec(spec)
-  sys.modules['readme_example'] = module
+  sys.modules[module_name] = module
   spec.loader.exec_module(module)
 
 
-def testReadmeModelTrains(tmp_path):
-  _ImportReadmeExample(tmp_path)
-  cfg = model_registry.GetParams('readme_example.GPipeCharLm', 'Train')
+@pytest.mark.parametrize('document, module_name', [
+    ('README.md', 'readme_example'),
+    ('docs/training.md', 'training_example'),
+])
+def testExampleModelTrains(tmp_path, document, module_name):
+  _ImportExample(document, module_name, tmp_path)
+  cfg = model_registry.GetParams(f'{module_name}.GPipeCharLm', 'Train')
   cfg.input.batch_size = 8
   cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=4, split_size=4)
@@ -48,4 +56,5 @@ def testReadmeModelTrains(tmp_path):
       sess.run(tf.compat.v1.global_variables_initializer())
       losses = [sess.run([task.train_op, task.loss])[1] for _ in range(5)]
   assert task.stack.num_stages == 4
+  assert task.stack.partition == [2, 1, 1, 2]
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

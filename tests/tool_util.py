@@ -1,4 +1,9 @@
-"""Helpers of the tests that run tools/ as subprocesses."""
+"""Helpers of the tests that run tools/ as subprocesses, as a user would.
+
+The tools run from a scratch directory with the environment as it is (no
+PYTHONPATH added), so the tests also check that a tool finds the repository
+root by itself.
+"""
 
 import os
 import subprocess
@@ -7,27 +12,29 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def ToolCommand(tool):
+  """The command line that runs tools/<tool> with this interpreter."""
+  return [sys.executable, os.path.join(ROOT, 'tools', tool)]
+
+
 def RunToolInParallel(tool, runs, tmp, timeout):
   """Runs `python tools/<tool>` once per entry of `runs`, all at once.
 
   Args:
     tool: File name in tools/, e.g. 'plan.py'.
     runs: {name: argument list}; '{tmp}' in an argument becomes `tmp`.
-    tmp: A scratch folder.
+    tmp: A scratch folder, also the tools' working directory.
     timeout: Seconds each run may take.
 
   Returns:
     {name: (exit code, stdout, stderr)} plus 'tmp': tmp.
   """
   env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(
-      [ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   procs = {
       name: subprocess.Popen(
-          [sys.executable, os.path.join('tools', tool)] +
-          [a.format(tmp=tmp) for a in args],
-          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          ToolCommand(tool) + [a.format(tmp=tmp) for a in args],
+          cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
           text=True) for name, args in runs.items()
   }
   results = {'tmp': tmp}

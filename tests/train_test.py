@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -22,9 +21,7 @@ from lingvo.core import cluster_factory
 
 import engine_util
 import tool_util
-
-sys.path.insert(0, os.path.join(tool_util.ROOT, 'tools'))
-import train  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tools import train
 
 MODEL = 'lm.GPipeCharLmTiny'
 STEPS = 20
@@ -77,11 +74,9 @@ def _KillAfterFirstCheckpoint(tmp):
   """
   args = [a.format(tmp=tmp) for a in COMMON] + [
       f'--logdir={tmp}/killed', '--max_steps=100000']
-  env = dict(os.environ, PYTHONPATH=tool_util.ROOT)
   proc = subprocess.Popen(
-      [sys.executable, os.path.join('tools', 'train.py')] + args,
-      cwd=tool_util.ROOT, env=env, stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL)
+      tool_util.ToolCommand('train.py') + args, cwd=tmp,
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
   def Watch():
     deadline = time.time() + 300

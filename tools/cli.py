@@ -1,4 +1,4 @@
-"""Command-line plumbing shared by the tools: subcommands, one-line errors, JSON.
+"""Plumbing shared by the tools: subcommands, one-line errors, JSON output.
 
 Every tool is an absl app whose first positional argument names a subcommand
 (a function of the remaining arguments returning a JSON-ready dict, or None).
@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from absl import app
 from absl import flags
+
+from lingvo_gpipe.planning import checks
 
 Subcommand = Callable[[Sequence[str]], Optional[Dict[str, Any]]]
 
@@ -35,6 +37,31 @@ def FlagsParser(prog: str) -> Callable[[List[str]], List[str]]:
       Fail(prog, e)
 
   return ParseFlags
+
+
+def PositiveIntsFlag(name: str,
+                     error: Type[Exception]) -> Optional[List[int]]:
+  """The list flag `--name` as positive ints (`checks.PositiveInts`).
+
+  Args:
+    name: The flag's name, e.g. 'num_stages'.
+    error: The tool's error type, raised instead of checks' ValueError so that
+      `Run` prints it on one line.
+
+  Returns:
+    The ints, or None if the flag is not set.
+
+  Raises:
+    error: naming the flag, its value and the entry that is not a positive
+      int (or saying that the list is empty).
+  """
+  values = flags.FLAGS[name].value
+  if values is None:
+    return None
+  try:
+    return checks.PositiveInts(f'--{name}', values)
+  except ValueError as e:
+    raise error(str(e)) from e
 
 
 def Run(prog: str, subcommands: Dict[str, Subcommand],

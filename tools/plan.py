@@ -26,22 +26,36 @@ Pictures (--png_out) have one row per stage and a box per call phase
 (--trace_out) are Chrome trace JSON: open them in https://ui.perfetto.dev or
 chrome://tracing.
 
-TensorFlow, Lingvo and matplotlib are imported only by the subcommands that
-need them, so that `simulate` answers in well under a second.
+The partitions, reports and simulation come from `lingvo_gpipe.planning`,
+the traced step from `benchmarks.traced_step`; this tool checks flags and
+prints. TensorFlow, Lingvo and matplotlib are imported only by the
+subcommands that need them, so that `simulate` answers in well under a
+second.
+
+Runs from any directory; tools/__init__.py says how it finds the repository.
 """
 
+import os
+import sys
+
+if __name__ == '__main__':  # Run as a script: see tools/__init__.py.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
-import cli  # tools/cli.py
-from lingvo_gpipe.engine import trace
+from benchmarks import traced_step
 from lingvo_gpipe.planning import partition as partition_lib
 from lingvo_gpipe.planning import report
 from lingvo_gpipe.planning import schedule
 from lingvo_gpipe.planning import simulate
 from lingvo_gpipe.planning import timeline
+from tools import cli
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 
@@ -122,7 +136,6 @@ flags.DEFINE_string(
 _DEFAULT_EXAMPLE_STAGES = (4, 8)
 
 
-
 class PlanError(ValueError):
   """A bad flag or argument; main prints it on one line and exits with 2."""
 
@@ -172,27 +185,12 @@ def _Numbers(flag: str,
   return numbers
 
 
-def _StageCounts(values: Optional[Sequence[str]]) -> Optional[List[int]]:
-  """Parses --num_stages into positive ints."""
-  if values is None:
-    return None
-  counts = []
-  for v in values:
-    if not v.strip().isdigit() or int(v) < 1:
-      raise PlanError(f'--num_stages={",".join(values)}: {v!r} is not a '
-                      'positive int.')
-    counts.append(int(v))
-  if not counts:
-    raise PlanError('--num_stages is empty; give e.g. --num_stages=4,8.')
-  return counts
-
-
 def _PartitionInputs():
   """(costs, names, memory, memory_limit, stage counts, source) from flags."""
   if (FLAGS.costs is None) == (FLAGS.example is None):
     raise PlanError('give exactly one of --costs (e.g. --costs=1,4,4,8) and '
                     f'--example (one of {sorted(EXAMPLES)}).')
-  stage_counts = _StageCounts(FLAGS.num_stages)
+  stage_counts = cli.PositiveIntsFlag('num_stages', PlanError)
   if FLAGS.example is not None:
     costs, names = EXAMPLES[FLAGS.example]()
     stage_counts = stage_counts or list(_DEFAULT_EXAMPLE_STAGES)
@@ -269,7 +267,7 @@ def Partition(args: Sequence[str]) -> Dict[str, Any]:
 
 def _OneStageCount(subcommand: str) -> Optional[int]:
   """--num_stages as one K, or None if not given."""
-  counts = _StageCounts(FLAGS.num_stages)
+  counts = cli.PositiveIntsFlag('num_stages', PlanError)
   if counts is not None and len(counts) != 1:
     raise PlanError(f'--num_stages={",".join(FLAGS.num_stages)}: {subcommand} '
                     'takes one K, e.g. --num_stages=4.')
@@ -386,75 +384,6 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
   }
 
 
-def RecordStep(num_stages: int, num_micro: int, remat: str,
-               cells_per_stage: int, dim: int, micro_batch_size: int,
-               warmup_steps: int) -> Any:
-  """Runs training steps of FC cells as a pipeline; traces the last one.
-
-  Args:
-    num_stages: K; stage k runs on logical CPU device k.
-    num_micro: M.
-    remat: The remat mode.
-    cells_per_stage: Lingvo FCLayers per stage.
-    dim: Their input and output size.
-    micro_batch_size: Examples per micro-batch.
-    warmup_steps: Untraced steps before the traced one.
-
-  Returns:
-    The traced step's `RunMetadata.step_stats`.
-  """
-  # Only this subcommand needs TensorFlow and Lingvo (seconds to import).
-  # pylint: disable=g-import-not-at-top
-  from lingvo.core import layers as lingvo_layers
-  from lingvo.core import py_utils
-  import numpy as np
-  import tensorflow as tf
-  from lingvo_gpipe import layers as gpipe_layers
-  # pylint: enable=g-import-not-at-top
-  devices = [f'/job:localhost/replica:0/task:0/device:CPU:{k}'
-             for k in range(num_stages)]
-  cells = [
-      lingvo_layers.FCLayer.Params().Set(
-          name=f'fc{i}', input_dim=dim, output_dim=dim)
-      for i in range(num_stages * cells_per_stage)
-  ]
-  graph = tf.Graph()
-  with graph.as_default():
-    py_utils.GetOrCreateGlobalStepVar()
-    layer = gpipe_layers.GPipeSequentialLayer.Params().Set(
-        name='pipe', cell_tpl=cells, num_stages=num_stages,
-        num_micro_batches=num_micro, remat=remat,
-        devices=devices).Instantiate()
-    inputs = np.random.RandomState(0).standard_normal(
-        [num_micro * micro_batch_size, dim]).astype(np.float32)
-    outputs = layer.FProp(layer.theta, tf.constant(inputs))
-    loss = tf.reduce_mean(tf.square(outputs))
-    variables = layer.vars.Flatten()
-    grads = tf.compat.v1.gradients(loss, variables,
-                                   colocate_gradients_with_ops=True)
-    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.01)
-    train_op = optimizer.apply_gradients(zip(grads, variables))
-    config = tf.compat.v1.ConfigProto(device_count={'CPU': num_stages})
-    with tf.compat.v1.Session(graph=graph, config=config) as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      for _ in range(warmup_steps):
-        sess.run(train_op)
-      run_metadata = tf.compat.v1.RunMetadata()
-      sess.run(train_op,
-               options=tf.compat.v1.RunOptions(
-                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-               run_metadata=run_metadata)
-  return run_metadata.step_stats
-
-
-def _MeanDuration(events: Sequence[simulate.Event], stage: int,
-                  phase: str) -> float:
-  """Mean duration of the stage's calls of one phase (0.0 if none)."""
-  times = [e.end - e.start for e in events
-           if e.stage == stage and e.phase == phase]
-  return sum(times) / len(times) if times else 0.0
-
-
 def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   """The `timeline` subcommand: traces a real step, prints and draws it.
 
@@ -474,15 +403,15 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
     raise PlanError('--num_stages (K) is required, e.g. --num_stages=4.')
   num_micro = _NumMicroBatches()
   remat = FLAGS.remat
-  step_stats = RecordStep(num_stages, num_micro, remat, FLAGS.cells_per_stage,
-                          FLAGS.fc_dim, FLAGS.micro_batch_size,
-                          FLAGS.warmup_steps)
   try:
-    events, devices = trace.StepEvents(
-        trace.StepKernels(step_stats), num_stages, num_micro, remat)
+    traced = traced_step.TraceStep(num_stages, num_micro, remat,
+                                   FLAGS.cells_per_stage, FLAGS.fc_dim,
+                                   FLAGS.micro_batch_size, FLAGS.warmup_steps)
   except ValueError as e:
     raise PlanError(str(e)) from e
-  occupancy = simulate.StageOccupancy(events, num_stages)
+  events, devices = traced.events, traced.devices
+  occupancy, means, sim = (traced.occupancy, traced.mean_durations,
+                           traced.simulated)
   factor, unit = timeline.TimeUnit(occupancy.step_time)
   print(f'Traced GPipe step: K={num_stages} stages on {num_stages} CPU '
         f'devices, M={num_micro} micro-batches, remat={remat}, '
@@ -497,8 +426,6 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
     order = ' '.join(f'{e.phase[0].upper()}{e.micro_batch}'
                      for e in events if e.stage == k)
     print(f'  stage {k}: {order}')
-  means = {phase: [_MeanDuration(events, k, phase) for k in range(num_stages)]
-           for phase in schedule.PHASES}
   print(f'stage  utilization  mean forward  mean recompute  mean backward '
         f'({unit})  devices')
   for k in range(num_stages):
@@ -507,13 +434,6 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
     print(f'{k:5d}  {occupancy.utilization[k]:11.3f}  {cells[0]:>12}  '
           f'{cells[1]:>14}  {cells[2]:>13}       '
           f'{", ".join(d.split("/")[-1] for d in devices[k])}')
-  # The simulator fed with these means assumes one free device per stage;
-  # here K logical devices share the host's cores. A recompute is timed as
-  # part of its backward call (measured, it is not just another forward).
-  sim = simulate.Simulate(
-      means['forward'],
-      [r + b for r, b in zip(means['recompute'], means['backward'])],
-      num_micro, 'never')
   print(f'simulated from the mean call times: step '
         f'{sim.step_time * factor:.4g} {unit}, bubble fraction '
         f'{sim.bubble_fraction:.3f}; measured / simulated step: '

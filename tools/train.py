@@ -25,12 +25,21 @@ The last line of a training run is
 
   trained <model>: steps=<n> loss <first> -> <last>, <x> examples/s, \
 checkpoint <path>
+
+Runs from any directory; tools/__init__.py says how it finds the repository
+(and `params` in it).
 """
 
-import logging
 import os
-import re
 import sys
+
+if __name__ == '__main__':  # Run as a script: see tools/__init__.py.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import logging
+import re
 
 from absl import app
 from absl import flags
@@ -43,9 +52,9 @@ from lingvo.core import py_utils
 
 import lingvo_gpipe
 from lingvo_gpipe import GPipeSequentialLayer
-
-import cli
 import params  # Registers the models.
+from tools import cli
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 flags.DEFINE_integer(
     'num_devices', 4, 'Local CPU devices. With one model split (the '

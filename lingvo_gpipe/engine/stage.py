@@ -6,7 +6,8 @@ are tuples of tensors or None, `state` is a nest of tensors carried from one
 micro-batch to the next (accumulated counters, auxiliary losses, batch-norm
 sums), and `micro_batch_id` is an int64 scalar unique to the micro-batch and
 training step, for seeding randomness. The body is traced into a `tf.function`
-once per stage, so graph size and build time grow with K, not K * M.
+once per stage (Python tracing costs O(K)); the unrolled engine calls it once
+per micro-batch, so the graph holds K * M calls.
 
 Every call also threads a *chain* through the stage's micro-batches: a scalar
 token and (while more micro-batches follow) the stage's weights, passed on as

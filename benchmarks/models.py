@@ -1,0 +1,101 @@
+"""The models the benchmarks train: deep stacks of Lingvo FCLayers.
+
+A configuration (see `runner.Config`) names one of four models over the same
+cells: 'plain' (`builder_layers.SequentialLayer`), 'gpipe'
+(GPipeSequentialLayer in a TF1 graph), 'gpipe_function' (the same in an
+eager `tf.function`) and 'lingvo' (Lingvo's `gpipe.PipeliningLayer`, one
+`FeatureExtractionLayer` per stage).
+
+Imports TensorFlow and Lingvo inside the functions: only worker processes
+build models.
+"""
+
+import math
+from typing import Any, Dict, List, Optional
+
+
+def FcCells(num_layers: int, dim: int, he_init: bool = True) -> List[Any]:
+  """Params of `num_layers` Lingvo FCLayers 'fc0', 'fc1', ... (dim -> dim).
+
+  Args:
+    num_layers: Number of cells.
+    dim: Input and output size of every cell (ReLU activation).
+    he_init: Gaussian weights of std sqrt(2 / dim), which keep the ReLU
+      activations' scale through deep stacks; else FCLayer's default.
+
+  Returns:
+    A list of FCLayer Params.
+  """
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import layers
+  from lingvo.core import py_utils
+  # pylint: enable=g-import-not-at-top
+  init: Optional[Any] = (py_utils.WeightInit.Gaussian(math.sqrt(2.0 / dim))
+                         if he_init else None)
+  cells = []
+  for i in range(num_layers):
+    p = layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=dim,
+                                    output_dim=dim)
+    if init is not None:
+      p.params_init = init
+    cells.append(p)
+  return cells
+
+
+def UniformSplit(num_cells: int, num_stages: int) -> List[int]:
+  """Cells per stage: equal counts, the first stages get one more."""
+  base, extra = divmod(num_cells, num_stages)
+  return [base + (k < extra) for k in range(num_stages)]
+
+
+def BuildModel(config: Dict[str, Any]):
+  """Instantiates the configuration's model (in a graph or eagerly).
+
+  Args:
+    config: A configuration dict, see `runner.Config`.
+
+  Returns:
+    A Lingvo layer: builder_layers.SequentialLayer (plain),
+    GPipeSequentialLayer (gpipe, gpipe_function) or gpipe.PipeliningLayer
+    (lingvo).
+  """
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import builder_layers
+  from lingvo.core import gpipe
+  from lingvo_gpipe import GPipeSequentialLayer
+  # pylint: enable=g-import-not-at-top
+  cells = FcCells(config['num_layers'], config['dim'])
+  num_stages = config['stages']
+  if config['model'] == 'plain':
+    params = builder_layers.SequentialLayer.Params().Set(name='model',
+                                                         sub=cells)
+  elif config['model'] == 'lingvo':
+    stages, start = [], 0
+    for k, count in enumerate(UniformSplit(len(cells), num_stages)):
+      stages.append(gpipe.FeatureExtractionLayer.Params().Set(
+          name=f'stage{k}', sub=cells[start:start + count]))
+      start += count
+    params = gpipe.PipeliningLayer.Params().Set(
+        name='model',
+        cell_tpl=stages,
+        num_micro_batches=config['micro_batches'])
+  else:
+    devices = None
+    if config['model'] == 'gpipe_function':
+      devices = [f'/device:CPU:{k}' for k in range(num_stages)]
+    params = GPipeSequentialLayer.Params().Set(
+        name='model',
+        cell_tpl=cells,
+        num_stages=num_stages,
+        num_micro_batches=config['micro_batches'],
+        remat=config['remat'],
+        devices=devices)
+  return params.Instantiate()
+
+
+def Loss(y):
+  """The scalar loss of the model's output (a tensor or a 1-tuple)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if isinstance(y, (list, tuple)):
+    (y,) = y
+  return tf.reduce_mean(tf.square(y))

@@ -1,0 +1,198 @@
+"""Runs benchmark configurations, each in a fresh worker process.
+
+A configuration is a JSON-ready dict (`Config`); `Runner.Run` measures it in
+`python -m benchmarks.worker CONFIG` and returns the worker's numbers, so
+that allocator peaks never leak from one configuration into the next.
+`MeasureTable` runs many configurations several times, interleaved, and takes
+medians. Standard library only: the parent process never imports TensorFlow.
+"""
+
+import concurrent.futures
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+# The worker prints its numbers on one line after this prefix, or one line
+# after ERROR_PREFIX.
+RESULT_PREFIX = 'BENCHMARK_RESULT '
+ERROR_PREFIX = 'benchmarks.worker: error: '
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# TensorFlow's C++ log lines ('I0000 00:00:...', 'E1202 17:44:56...').
+_TF_LOG_LINE = re.compile(r'^([IWEF]\d{4} |WARNING: All log messages)')
+
+
+class BenchmarkError(ValueError):
+  """A bad setting or a failed measurement; tools print it on one line."""
+
+
+def Config(model: str,
+           num_layers: int,
+           dim: int,
+           batch: int,
+           steps: int,
+           micro_batches: Optional[int] = None,
+           remat: Optional[str] = None,
+           stages: int = 1,
+           warmups: int = 1) -> Dict[str, Any]:
+  """A configuration to measure.
+
+  Args:
+    model: 'plain', 'gpipe', 'lingvo' (gpipe.PipeliningLayer) or
+      'gpipe_function' (GPipe in an eager tf.function); see `models`.
+    num_layers: Number of FCLayers.
+    dim: Their input and output size.
+    batch: The mini-batch size.
+    steps: Measured steps after the warm-up steps.
+    micro_batches: M (not plain).
+    remat: Re-materialization mode (gpipe and gpipe_function only).
+    stages: K, the number of stages and logical CPU devices.
+    warmups: Warm-up steps (the first one is timed as the first step).
+
+  Returns:
+    A JSON-ready dict.
+  """
+  return {
+      'model': model,
+      'num_layers': num_layers,
+      'dim': dim,
+      'batch': batch,
+      'micro_batches': micro_batches,
+      'remat': remat,
+      'stages': stages,
+      'steps': steps,
+      'warmups': warmups,
+  }
+
+
+def Name(config: Dict[str, Any]) -> str:
+  """A short name, e.g. 'plain', 'gpipe K=1 M=8 always' or 'lingvo K=2 M=4'."""
+  model = config['model']
+  if model == 'plain':
+    return 'plain'
+  shape = f'K={config.get("stages", 1)} M={config["micro_batches"]}'
+  if model == 'lingvo':
+    return f'lingvo {shape}'
+  prefix = 'gpipe' if model == 'gpipe' else 'gpipe tf.function'
+  return f'{prefix} {shape} {config["remat"]}'
+
+
+def Ratio(a: float, b: float) -> Optional[float]:
+  """a / b, or None if b is 0."""
+  return a / b if b else None
+
+
+def FormatRatio(ratio: Optional[float]) -> str:
+  """A ratio with two decimals, or 'n/a'."""
+  return 'n/a' if ratio is None else f'{ratio:.2f}'
+
+
+class Runner:
+  """Runs configurations in fresh subprocesses, at most `parallel` at once.
+
+  Attributes:
+    parallel: How many workers run at once.
+    num_runs: Workers run so far.
+  """
+
+  def __init__(self, parallel: int,
+               report: Optional[Callable[[str], None]] = None):
+    """Prepares the workers' environment.
+
+    Args:
+      parallel: How many workers run at once (1 for meaningful timings).
+      report: Called with a line of progress after each measurement (and
+        with notes about the environment); None: silent.
+    """
+    self.parallel = parallel
+    self.num_runs = 0
+    self._report = report or (lambda line: None)
+    self._slots = threading.Semaphore(parallel)
+    self._lock = threading.Lock()
+    self._env = dict(os.environ)
+    self._env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    if self._env.get('TF_ENABLE_ONEDNN_OPTS') == '0':
+      self._report('note: ignoring TF_ENABLE_ONEDNN_OPTS=0; memory '
+                   "statistics need oneDNN's allocator.")
+      del self._env['TF_ENABLE_ONEDNN_OPTS']
+
+  def Run(self, config: Dict[str, Any]) -> Dict[str, Any]:
+    """Measures `config` in a worker process.
+
+    Args:
+      config: A configuration dict, see `Config`.
+
+    Returns:
+      The dict of `worker.MeasureStep`.
+
+    Raises:
+      BenchmarkError: if the worker fails.
+    """
+    # The working directory is the repository root, so `-m benchmarks.worker`
+    # imports this package (and params, lingvo_gpipe) from this checkout.
+    command = [sys.executable, '-m', 'benchmarks.worker', json.dumps(config)]
+    with self._slots:
+      proc = subprocess.run(command, cwd=_ROOT, env=self._env,
+                            capture_output=True, text=True, check=False)
+    with self._lock:
+      self.num_runs += 1
+    for line in proc.stdout.splitlines():
+      if line.startswith(RESULT_PREFIX):
+        result = json.loads(line[len(RESULT_PREFIX):])
+        self._report(f'  {Name(config)}, {config["num_layers"]} layers: peak '
+                     f'{result["peak_mib"]:.1f} MiB, step '
+                     f'{result["step_s"]:.2f} s')
+        return result
+    # The worker's own one-line error, else the last line (a traceback's
+    # exception), skipping TensorFlow's log lines such as
+    # 'E0000 ... failed call to cuInit'.
+    lines = [
+        l for l in proc.stderr.splitlines()
+        if l.strip() and not _TF_LOG_LINE.match(l)
+    ]
+    ours = [l for l in lines if l.startswith(ERROR_PREFIX)]
+    message = (ours or lines or ['no output'])[-1]
+    raise BenchmarkError(
+        f'measuring {Name(config)} with {config["num_layers"]} layers failed '
+        f'(exit {proc.returncode}): {message}')
+
+
+def MeasureTable(runner: Runner, configs: List[Dict[str, Any]],
+                 repeats: int) -> List[Dict[str, Any]]:
+  """Measures every configuration `repeats` times, interleaved.
+
+  Repeat r runs the configurations in order, every odd repeat in reverse, so
+  slow phases of a shared machine spread over all of them.
+
+  Args:
+    runner: Runs one configuration.
+    configs: The configurations.
+    repeats: Runs per configuration.
+
+  Returns:
+    One row per configuration: name, config, every run, and the medians over
+    the repeats of peak_mib, step_s, resident_mib, build_s and warmup_s.
+  """
+  jobs = []
+  for r in range(repeats):
+    order = range(len(configs)) if r % 2 == 0 else reversed(range(
+        len(configs)))
+    jobs.extend(order)
+  # A FIFO pool keeps the interleaved order when runs go one at a time.
+  with concurrent.futures.ThreadPoolExecutor(runner.parallel) as pool:
+    futures = [(i, pool.submit(runner.Run, configs[i])) for i in jobs]
+    runs = [[] for _ in configs]
+    for i, future in futures:
+      runs[i].append(future.result())
+  rows = []
+  for config, config_runs in zip(configs, runs):
+    row = {'name': Name(config), 'config': config, 'runs': config_runs}
+    for key in ('peak_mib', 'step_s', 'resident_mib', 'build_s', 'warmup_s'):
+      row[key] = statistics.median(run[key] for run in config_runs)
+    row['num_params'] = config_runs[0]['num_params']
+    rows.append(row)
+  return rows

@@ -1,0 +1,205 @@
+"""Measures one configuration: `python -m benchmarks.worker CONFIG`.
+
+CONFIG is the JSON of a `runner.Config`. The worker builds the model's
+training step (forward, gradients, SGD update) on `stages` logical CPU
+devices, runs a timed first step, the other warm-up steps and `steps`
+measured steps, each after `reset_memory_stats('CPU:0')`, and prints one line
+`runner.RESULT_PREFIX + JSON` (see `MeasureStep`), or one error line after
+`runner.ERROR_PREFIX` with exit status 2.
+
+The peak is `tf.config.experimental.get_memory_info('CPU:0')['peak']`. These
+statistics need oneDNN's allocator (TensorFlow's default on x86), which the
+runner makes sure of.
+"""
+
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+from absl import app
+
+from benchmarks import models
+from benchmarks import runner
+
+_LEARNING_RATE = 1e-4
+_MIB = 1024.0 * 1024.0
+
+
+def _TimeSteps(run_step: Callable[[], None],
+               config: Dict[str, Any]) -> Dict[str, Any]:
+  """Times `warmups` warm-up steps (the first one reported) and `steps` steps.
+
+  Args:
+    run_step: Runs one training step to completion.
+    config: A configuration dict, see `runner.Config`.
+
+  Returns:
+    peak_mib, peaks_mib, resident_mib, step_s (median), step_times_s,
+    warmup_s (the first step).
+
+  Raises:
+    runner.BenchmarkError: if the allocator keeps no statistics.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  start = time.time()
+  run_step()
+  warmup_s = time.time() - start
+  for _ in range(config.get('warmups', 1) - 1):
+    run_step()
+  peaks, resident, times = [], [], []
+  for _ in range(config['steps']):
+    try:
+      tf.config.experimental.reset_memory_stats('CPU:0')
+      resident.append(
+          tf.config.experimental.get_memory_info('CPU:0')['current'])
+    except ValueError as e:
+      raise runner.BenchmarkError(
+          f'{e}: memory statistics need oneDNN\'s allocator; do not set '
+          'TF_ENABLE_ONEDNN_OPTS=0.') from e
+    start = time.time()
+    run_step()
+    times.append(time.time() - start)
+    peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'])
+  return {
+      'peak_mib': max(peaks) / _MIB,
+      'peaks_mib': [p / _MIB for p in peaks],
+      'resident_mib': max(resident) / _MIB,
+      'step_s': statistics.median(times),
+      'step_times_s': times,
+      'warmup_s': warmup_s,
+  }
+
+
+def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
+  """Builds the TF1 training step on K CPU devices; see `MeasureStep`."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import cluster_factory
+  from lingvo.core import py_utils
+  import numpy as np
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
+  num_stages = config['stages']
+  start = time.time()
+  graph = tf.Graph()
+  # K devices per split: Lingvo's layers place stage k on CPU:k.
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=num_stages,
+      split_size=num_stages)
+  with graph.as_default(), cluster:
+    global_step = py_utils.GetOrCreateGlobalStepVar()
+    model = models.BuildModel(config)
+    x = tf.random.normal([config['batch'], config['dim']], seed=1)
+    loss = models.Loss(model.FProp(model.theta, x))
+    variables = model.vars.Flatten()
+    # Like Lingvo's trainer: each gradient op on its forward op's device.
+    grads = tf.compat.v1.gradients(
+        loss, variables, colocate_gradients_with_ops=True)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(
+        _LEARNING_RATE).apply_gradients(
+            zip(grads, variables), global_step=global_step)
+    init_op = tf.compat.v1.global_variables_initializer()
+    num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
+  build_s = time.time() - start
+  sess = tf.compat.v1.Session(
+      graph=graph,
+      config=tf.compat.v1.ConfigProto(device_count={'CPU': num_stages}))
+  sess.run(init_op)
+  return build_s, num_params, lambda: sess.run(train_op)
+
+
+def _FunctionStep(
+    config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
+  """Builds the eager training step: GradientTape + update in a tf.function."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils
+  import numpy as np
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
+  start = time.time()
+  global_step = py_utils.GetOrCreateGlobalStepVar()
+  model = models.BuildModel(config)
+  variables = model.vars.Flatten()
+  optimizer = tf.compat.v1.train.GradientDescentOptimizer(_LEARNING_RATE)
+
+  @tf.function(autograph=False)
+  def Step():
+    x = tf.random.normal([config['batch'], config['dim']], seed=1)
+    with tf.GradientTape() as tape:
+      loss = models.Loss(model.FProp(model.theta, x))
+    grads = tape.gradient(loss, variables)
+    optimizer.apply_gradients(zip(grads, variables), global_step=global_step)
+
+  # Tracing (and graph optimization at the first call) happens here.
+  step = Step.get_concrete_function()
+  build_s = time.time() - start
+  num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
+  return build_s, num_params, step
+
+
+def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
+  """Builds one training step and measures its time and peak memory.
+
+  Runs on `stages` logical CPU devices: the first step (timed), `warmups` - 1
+  more warm-up steps, then `steps` steps, each after
+  `reset_memory_stats('CPU:0')`.
+
+  Args:
+    config: A configuration dict, see `runner.Config`.
+
+  Returns:
+    A JSON-ready dict: peak_mib (largest of the steps), peaks_mib,
+    resident_mib (in use before the step: weights, optimizer), step_s
+    (median), step_times_s, build_s (model, forward, gradients and update;
+    for gpipe_function the tracing of the tf.function), warmup_s (the first
+    step), num_params, tf_version, lingvo_version.
+
+  Raises:
+    runner.BenchmarkError: if the allocator keeps no statistics.
+  """
+  # pylint: disable=g-import-not-at-top
+  from importlib import metadata
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
+  if config['model'] == 'gpipe_function':
+    # Before anything initializes TensorFlow's devices (Lingvo's imports).
+    cpu = tf.config.list_physical_devices('CPU')[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * config['stages'])
+    build_s, num_params, run_step = _FunctionStep(config)
+  else:
+    build_s, num_params, run_step = _GraphStep(config)
+  result = _TimeSteps(run_step, config)
+  result.update(
+      build_s=build_s,
+      num_params=num_params,
+      tf_version=tf.__version__,
+      lingvo_version=metadata.version('lingvo'))
+  return result
+
+
+def Main(argv: Sequence[str]) -> int:
+  """Measures the JSON configuration in argv[1]; prints the result line.
+
+  Args:
+    argv: [program, configuration JSON], after absl parsed the flags (Lingvo's
+      layers read absl flags).
+
+  Returns:
+    The exit status: 0, or 2 after printing one error line.
+  """
+  try:
+    if len(argv) != 2:
+      raise runner.BenchmarkError(
+          f'takes one JSON configuration, got {list(argv[1:])}.')
+    result = MeasureStep(json.loads(argv[1]))
+  except runner.BenchmarkError as e:
+    print(f'{runner.ERROR_PREFIX}{e}', file=sys.stderr)
+    return 2
+  print(runner.RESULT_PREFIX + json.dumps(result), flush=True)
+  return 0
+
+
+if __name__ == '__main__':
+  app.run(Main)
