@@ -1,11 +1,11 @@
 """The memory benchmark: peak memory of one training step, plain vs. GPipe.
 
-One training step (forward, tf.gradients, SGD update; TF1 graph and session)
-of a deep stack of Lingvo FCLayers: the plain `SequentialLayer` and
-GPipeSequentialLayer with one stage for every number of micro-batches M and
-re-materialization mode (`MeasureRows`), then the largest number of layers
-whose step fits a memory budget, plain vs. GPipe (`CompareLargest`). Every
-measurement is a worker process (see `runner`).
+One training step (forward, gradients, SGD update) of a deep stack of Lingvo
+FCLayers: the plain `SequentialLayer` and GPipeSequentialLayer with one stage
+for every engine, re-materialization mode and number of micro-batches M, in
+a TF1 graph and session or compiled by XLA (`MeasureRows`); then the largest
+number of layers whose graph-mode step fits a memory budget, plain vs. GPipe
+(`CompareLargest`). Every measurement is a worker process (see `runner`).
 """
 
 import concurrent.futures
@@ -13,42 +13,81 @@ import math
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from benchmarks import runner as runner_lib
+from lingvo_gpipe.planning import schedule
 
 # The GPipe paper's largest AmoebaNet on one 8 GB core: 318M parameters with
 # GPipe (re-materialization) against 82M without.
 PAPER_RATIO = 318.0 / 82.0
 
 
-def Configs(num_layers: int, dim: int, batch: int, steps: int,
+# The engine of the largest-model search's GPipe model.
+_BUDGET_ENGINE = 'unrolled'
+
+
+def Configs(num_layers: int,
+            dim: int,
+            batch: int,
+            steps: int,
             micro_batches: Sequence[int],
-            remats: Sequence[str]) -> List[Dict[str, Any]]:
-  """The table's configurations: plain, then GPipe (K=1) per remat and M."""
-  configs = [runner_lib.Config('plain', num_layers, dim, batch, steps)]
-  configs += [
-      runner_lib.Config('gpipe', num_layers, dim, batch, steps, m, remat)
-      for remat in remats
-      for m in micro_batches
-  ]
+            remats: Sequence[str],
+            engines: Sequence[str] = ('unrolled',),
+            modes: Sequence[str] = ('graph',)) -> List[Dict[str, Any]]:
+  """The table: per mode, plain, then GPipe (K=1) per engine, remat and M.
+
+  The loop engine always re-materializes: other remat modes are not listed
+  for it.
+
+  Args:
+    num_layers: FCLayers in every model.
+    dim: Their size.
+    batch: The mini-batch size.
+    steps: Measured steps per configuration.
+    micro_batches: The numbers of micro-batches M.
+    remats: Re-materialization modes.
+    engines: GPipeSequentialLayer engines ('unrolled', 'loop').
+    modes: `runner.MODES` to measure in ('graph', 'xla').
+
+  Returns:
+    The configurations, each mode's plain model first.
+  """
+  configs = []
+  for mode in modes:
+    configs.append(runner_lib.Config('plain', num_layers, dim, batch, steps,
+                                     mode=mode))
+    for engine in engines:
+      supported = (schedule.LOOP_REMAT_MODES if engine == 'loop' else
+                   schedule.REMAT_MODES)
+      configs += [
+          runner_lib.Config('gpipe', num_layers, dim, batch, steps, m, remat,
+                            mode=mode, engine=engine)
+          for remat in remats if remat in supported
+          for m in micro_batches
+      ]
   return configs
 
 
 def MeasureRows(runner: runner_lib.Runner, configs: List[Dict[str, Any]],
                 repeats: int) -> List[Dict[str, Any]]:
-  """Measures the table; adds each row's peak and step ratio to the first.
+  """Measures the table; adds each row's peak and step ratio to its plain.
 
   Args:
     runner: Runs the workers.
-    configs: `Configs`, the plain model first.
+    configs: `Configs`, each mode's plain model first.
     repeats: Runs per configuration (medians are reported).
 
   Returns:
-    The rows of `runner.MeasureTable` with peak_ratio and step_ratio.
+    The rows of `runner.MeasureTable` with peak_ratio and step_ratio against
+    the plain model of the same mode.
   """
   rows = runner_lib.MeasureTable(runner, configs, repeats)
-  plain = rows[0]
+  plain = {}
   for row in rows:
-    row['peak_ratio'] = runner_lib.Ratio(row['peak_mib'], plain['peak_mib'])
-    row['step_ratio'] = runner_lib.Ratio(row['step_s'], plain['step_s'])
+    mode = row['config']['mode']
+    if row['config']['model'] == 'plain':
+      plain[mode] = row
+    row['peak_ratio'] = runner_lib.Ratio(row['peak_mib'],
+                                         plain[mode]['peak_mib'])
+    row['step_ratio'] = runner_lib.Ratio(row['step_s'], plain[mode]['step_s'])
   return rows
 
 
@@ -159,8 +198,9 @@ def CompareLargest(runner: runner_lib.Runner, rows: List[Dict[str, Any]],
 
   Args:
     runner: Runs the workers (the two searches share its slots).
-    rows: `MeasureRows` of the table: the plain row first; their peaks are
-      free probes (plain, and GPipe with `micro_batches` and remat 'always').
+    rows: `MeasureRows` of the table, with a graph-mode plain row; its peaks
+      are free probes (plain, and unrolled GPipe with `micro_batches` and
+      remat 'always', in graph mode).
     budget_mib: The peak one training step may reach.
     micro_batches: M of the GPipe model (one stage, remat 'always').
     max_layers: Larger models are not tried (the result is then 'capped').
@@ -169,14 +209,16 @@ def CompareLargest(runner: runner_lib.Runner, rows: List[Dict[str, Any]],
     A JSON-ready dict: budget_mib, layer_ratio and param_ratio (GPipe /
     plain), and for 'plain' and 'gpipe' the answer, its peak and every probe.
   """
-  plain = rows[0]
+  graph_rows = [row for row in rows if row['config']['mode'] == 'graph']
+  plain = graph_rows[0]
   num_layers = plain['config']['num_layers']
   known = {
       'plain': {num_layers: plain['peak_mib']},
       'gpipe': {
-          num_layers: row['peak_mib'] for row in rows[1:]
+          num_layers: row['peak_mib'] for row in graph_rows[1:]
           if row['config']['micro_batches'] == micro_batches and
-          row['config']['remat'] == 'always'
+          row['config']['remat'] == 'always' and
+          row['config']['engine'] == _BUDGET_ENGINE
       },
   }
   shape = {key: plain['config'][key] for key in ('dim', 'batch')}
@@ -184,7 +226,8 @@ def CompareLargest(runner: runner_lib.Runner, rows: List[Dict[str, Any]],
       'plain': lambda n: runner_lib.Config('plain', n, steps=1, **shape),
       'gpipe': lambda n: runner_lib.Config('gpipe', n, steps=1,
                                            micro_batches=micro_batches,
-                                           remat='always', **shape),
+                                           remat='always',
+                                           engine=_BUDGET_ENGINE, **shape),
   }
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     futures = {
@@ -206,18 +249,19 @@ def FormatTable(rows: List[Dict[str, Any]]) -> str:
   """The memory table: one fixed-width line per configuration.
 
   Args:
-    rows: Rows of `MeasureRows`, the plain model first.
+    rows: Rows of `MeasureRows`, each mode's plain model first.
 
   Returns:
-    The table as text, header first.
+    The table as text, header first; ratios are to the plain model of the
+    same mode.
   """
   lines = [
-      f'{"model":<26}{"peak MiB":>10}{"x plain":>9}{"step s":>9}'
+      f'{"model":<34}{"peak MiB":>10}{"x plain":>9}{"step s":>9}'
       f'{"x plain":>9}',
   ]
   lines.append('-' * len(lines[0]))
   for row in rows:
-    lines.append(f'{row["name"]:<26}{row["peak_mib"]:>10.1f}'
+    lines.append(f'{row["name"]:<34}{row["peak_mib"]:>10.1f}'
                  f'{runner_lib.FormatRatio(row["peak_ratio"]):>9}'
                  f'{row["step_s"]:>9.2f}'
                  f'{runner_lib.FormatRatio(row["step_ratio"]):>9}')

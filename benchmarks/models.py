@@ -1,10 +1,9 @@
 """The models the benchmarks train: deep stacks of Lingvo FCLayers.
 
-A configuration (see `runner.Config`) names one of four models over the same
-cells: 'plain' (`builder_layers.SequentialLayer`), 'gpipe'
-(GPipeSequentialLayer in a TF1 graph), 'gpipe_function' (the same in an
-eager `tf.function`) and 'lingvo' (Lingvo's `gpipe.PipeliningLayer`, one
-`FeatureExtractionLayer` per stage).
+A configuration (see `runner.Config`) names one of three models over the
+same cells: 'plain' (`builder_layers.SequentialLayer`), 'gpipe'
+(GPipeSequentialLayer, with the configuration's engine) and 'lingvo'
+(Lingvo's `gpipe.PipeliningLayer`, one `FeatureExtractionLayer` per stage).
 
 Imports TensorFlow and Lingvo inside the functions: only worker processes
 build models.
@@ -56,8 +55,7 @@ def BuildModel(config: Dict[str, Any]):
 
   Returns:
     A Lingvo layer: builder_layers.SequentialLayer (plain),
-    GPipeSequentialLayer (gpipe, gpipe_function) or gpipe.PipeliningLayer
-    (lingvo).
+    GPipeSequentialLayer (gpipe) or gpipe.PipeliningLayer (lingvo).
   """
   # pylint: disable=g-import-not-at-top
   from lingvo.core import builder_layers
@@ -80,8 +78,8 @@ def BuildModel(config: Dict[str, Any]):
         cell_tpl=stages,
         num_micro_batches=config['micro_batches'])
   else:
-    devices = None
-    if config['model'] == 'gpipe_function':
+    devices = None  # Graph mode: Lingvo's cluster model split.
+    if config.get('mode', 'graph') != 'graph':
       devices = [f'/device:CPU:{k}' for k in range(num_stages)]
     params = GPipeSequentialLayer.Params().Set(
         name='model',
@@ -89,7 +87,8 @@ def BuildModel(config: Dict[str, Any]):
         num_stages=num_stages,
         num_micro_batches=config['micro_batches'],
         remat=config['remat'],
-        devices=devices)
+        devices=devices,
+        engine=config.get('engine', 'auto'))
   return params.Instantiate()
 
 

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 # The worker prints its numbers on one line after this prefix, or one line
 # after ERROR_PREFIX.
@@ -30,6 +30,11 @@ class BenchmarkError(ValueError):
   """A bad setting or a failed measurement; tools print it on one line."""
 
 
+# How a worker builds the training step: a TF1 graph and session, an eager
+# tf.function, or a tf.function that XLA compiles (jit_compile=True).
+MODES = ('graph', 'function', 'xla')
+
+
 def Config(model: str,
            num_layers: int,
            dim: int,
@@ -38,24 +43,36 @@ def Config(model: str,
            micro_batches: Optional[int] = None,
            remat: Optional[str] = None,
            stages: int = 1,
-           warmups: int = 1) -> Dict[str, Any]:
+           warmups: int = 1,
+           mode: str = 'graph',
+           engine: str = 'auto') -> Dict[str, Any]:
   """A configuration to measure.
 
   Args:
-    model: 'plain', 'gpipe', 'lingvo' (gpipe.PipeliningLayer) or
-      'gpipe_function' (GPipe in an eager tf.function); see `models`.
+    model: 'plain', 'gpipe' (GPipeSequentialLayer) or 'lingvo'
+      (gpipe.PipeliningLayer, graph mode only); see `models`.
     num_layers: Number of FCLayers.
     dim: Their input and output size.
     batch: The mini-batch size.
     steps: Measured steps after the warm-up steps.
     micro_batches: M (not plain).
-    remat: Re-materialization mode (gpipe and gpipe_function only).
+    remat: Re-materialization mode (gpipe only).
     stages: K, the number of stages and logical CPU devices.
     warmups: Warm-up steps (the first one is timed as the first step).
+    mode: One of `MODES`.
+    engine: GPipeSequentialLayer's engine (gpipe only).
 
   Returns:
     A JSON-ready dict.
+
+  Raises:
+    BenchmarkError: on an unknown mode or Lingvo outside graph mode.
   """
+  if mode not in MODES:
+    raise BenchmarkError(f'mode={mode!r} is not one of {list(MODES)}.')
+  if model == 'lingvo' and mode != 'graph':
+    raise BenchmarkError(f"Lingvo's PipeliningLayer runs in graph mode only, "
+                         f'not mode={mode!r}.')
   return {
       'model': model,
       'num_layers': num_layers,
@@ -66,19 +83,45 @@ def Config(model: str,
       'stages': stages,
       'steps': steps,
       'warmups': warmups,
+      'mode': mode,
+      'engine': engine,
   }
 
 
 def Name(config: Dict[str, Any]) -> str:
-  """A short name, e.g. 'plain', 'gpipe K=1 M=8 always' or 'lingvo K=2 M=4'."""
+  """A short name, e.g. 'plain', 'gpipe K=1 M=8 always', 'lingvo K=2 M=4'.
+
+  The mode and the engine are added when not the defaults ('graph', 'auto'):
+  'gpipe loop K=4 M=32 always xla'.
+  """
   model = config['model']
+  mode = config.get('mode', 'graph')
+  suffix = '' if mode == 'graph' else f' {mode}'
   if model == 'plain':
-    return 'plain'
+    return 'plain' + suffix
   shape = f'K={config.get("stages", 1)} M={config["micro_batches"]}'
   if model == 'lingvo':
     return f'lingvo {shape}'
-  prefix = 'gpipe' if model == 'gpipe' else 'gpipe tf.function'
-  return f'{prefix} {shape} {config["remat"]}'
+  engine = config.get('engine', 'auto')
+  engine = '' if engine == 'auto' else f' {engine}'
+  return f'gpipe{engine} {shape} {config["remat"]}{suffix}'
+
+
+def CheckStages(flag: str, stages: Sequence[int], num_layers: int) -> None:
+  """Raises BenchmarkError unless every K of --flag has a cell per stage."""
+  for k in stages:
+    if k > num_layers:
+      raise BenchmarkError(f'--{flag}: K={k} is more than --num_layers='
+                           f'{num_layers}; every stage needs a cell.')
+
+
+def CheckMicroBatches(flag: str, micro_batches: Sequence[int],
+                      batch: int) -> None:
+  """Raises BenchmarkError unless every M of --flag divides the batch."""
+  for m in micro_batches:
+    if batch % m:
+      raise BenchmarkError(f'--{flag}: M={m} does not divide --batch={batch}; '
+                           'use a divisor of the batch.')
 
 
 def Ratio(a: float, b: float) -> Optional[float]:

@@ -18,6 +18,9 @@ from benchmarks import runner as runner_lib
 WARMUPS = 2
 # The variants measured at every (K, M), in this order after the references.
 _VARIANTS = ('gpipe', 'lingvo', 'gpipe_function')
+# Every GPipe configuration of this benchmark uses the unrolled engine (the
+# scale benchmark compares the engines).
+_ENGINE = 'unrolled'
 
 
 def Configs(num_layers: int, dim: int, batch: int, steps: int,
@@ -35,16 +38,17 @@ def Configs(num_layers: int, dim: int, batch: int, steps: int,
     The configurations, in the order `Rows` expects.
   """
 
-  def Config(model, k=1, m=1, remat=None):
+  def Config(model, k=1, m=1, remat=None, mode='graph'):
     return runner_lib.Config(model, num_layers, dim, batch, steps, m, remat,
-                             stages=k, warmups=WARMUPS)
+                             stages=k, warmups=WARMUPS, mode=mode,
+                             engine=_ENGINE)
 
   configs = [Config('plain', m=None), Config('gpipe', remat='never')]
   for k, m in shapes:
     configs += [
         Config('gpipe', k, m, 'always'),
         Config('lingvo', k, m),
-        Config('gpipe_function', k, m, 'always')
+        Config('gpipe', k, m, 'always', mode='function')
     ]
   return configs
 

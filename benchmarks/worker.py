@@ -111,7 +111,17 @@ def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
 
 def _FunctionStep(
     config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
-  """Builds the eager training step: GradientTape + update in a tf.function."""
+  """Builds the eager training step: GradientTape + update in a tf.function.
+
+  With mode 'xla' the tf.function is compiled by XLA (jit_compile=True).
+
+  Args:
+    config: A configuration dict, see `runner.Config`.
+
+  Returns:
+    (build_s, num_params, run_step): the time to build the model and trace
+    the function, the number of weights, and a function running one step.
+  """
   # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils
   import numpy as np
@@ -123,7 +133,7 @@ def _FunctionStep(
   variables = model.vars.Flatten()
   optimizer = tf.compat.v1.train.GradientDescentOptimizer(_LEARNING_RATE)
 
-  @tf.function(autograph=False)
+  @tf.function(autograph=False, jit_compile=config['mode'] == 'xla')
   def Step():
     x = tf.random.normal([config['batch'], config['dim']], seed=1)
     with tf.GradientTape() as tape:
@@ -131,11 +141,12 @@ def _FunctionStep(
     grads = tape.gradient(loss, variables)
     optimizer.apply_gradients(zip(grads, variables), global_step=global_step)
 
-  # Tracing (and graph optimization at the first call) happens here.
-  step = Step.get_concrete_function()
+  # Tracing happens here; graph optimization (or XLA's compile) at the first
+  # call. The step is called through the tf.function, the way XLA compiles.
+  Step.get_concrete_function()
   build_s = time.time() - start
   num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
-  return build_s, num_params, step
+  return build_s, num_params, Step
 
 
 def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -152,8 +163,10 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
     A JSON-ready dict: peak_mib (largest of the steps), peaks_mib,
     resident_mib (in use before the step: weights, optimizer), step_s
     (median), step_times_s, build_s (model, forward, gradients and update;
-    for gpipe_function the tracing of the tf.function), warmup_s (the first
-    step), num_params, tf_version, lingvo_version.
+    in modes 'function' and 'xla' the tracing of the tf.function), warmup_s
+    (the first step: graph optimization, or XLA's compile), hlo_lines (mode
+    'xla': lines of the step's HLO before XLA's optimizations), num_params,
+    tf_version, lingvo_version.
 
   Raises:
     runner.BenchmarkError: if the allocator keeps no statistics.
@@ -162,17 +175,23 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
   from importlib import metadata
   import tensorflow as tf
   # pylint: enable=g-import-not-at-top
-  if config['model'] == 'gpipe_function':
+  hlo_lines = None
+  if config.get('mode', 'graph') == 'graph':
+    build_s, num_params, run_step = _GraphStep(config)
+    result = _TimeSteps(run_step, config)
+  else:
     # Before anything initializes TensorFlow's devices (Lingvo's imports).
     cpu = tf.config.list_physical_devices('CPU')[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * config['stages'])
     build_s, num_params, run_step = _FunctionStep(config)
-  else:
-    build_s, num_params, run_step = _GraphStep(config)
-  result = _TimeSteps(run_step, config)
+    result = _TimeSteps(run_step, config)
+    if config['mode'] == 'xla':
+      hlo = run_step.experimental_get_compiler_ir()(stage='hlo')
+      hlo_lines = len(hlo.splitlines())
   result.update(
       build_s=build_s,
+      hlo_lines=hlo_lines,
       num_params=num_params,
       tf_version=tf.__version__,
       lingvo_version=metadata.version('lingvo'))

@@ -1,11 +1,12 @@
 """Tests of tools/benchmark.py and the benchmarks package.
 
 tools/benchmark.py runs as a subprocess like a user would: one tiny
-end-to-end `memory` run and one tiny `speed` run (each configuration and
+end-to-end `memory`, `speed` and `scale` run each (each configuration and
 budget probe is a worker process importing TensorFlow, several seconds each)
 plus error cases that fail before any measurement. No timing or memory values
-are asserted. The largest-model search (`benchmarks.memory`) is tested
-in-process on synthetic memory curves.
+are asserted; HLO line counts, which are deterministic, are. The
+largest-model search (`benchmarks.memory`) is tested in-process on synthetic
+memory curves.
 """
 
 import json
@@ -28,6 +29,13 @@ TINY = [
     '--parallel=4', '--json_out={tmp}/memory.json'
 ]
 
+# Two shapes, K = 2 with M = 2 and 4: 14 worker processes, two at a time.
+TINY_SCALE = [
+    'scale', '--num_layers=2', '--dim=8', '--batch=8', '--scale_stages=2',
+    '--scale_micro_batches=2,4', '--steps=1', '--parallel=2',
+    '--png_out={tmp}/scale.png', '--json_out={tmp}/scale.json'
+]
+
 # name -> benchmark.py arguments ({tmp} is replaced by a temporary directory).
 TINY_SPEED = [
     'speed', '--num_layers=2', '--dim=16', '--batch=16', '--speed_stages=1,2',
@@ -37,6 +45,9 @@ TINY_SPEED = [
 RUNS = {
     'tiny': TINY,
     'speed': TINY_SPEED + ['--json_out={tmp}/speed.json'],
+    'scale': TINY_SCALE,
+    'bad_engines': ['memory', '--engines=unrolled,fast'],
+    'bad_scale_stages': ['scale', '--num_layers=2', '--scale_stages=3'],
     'bad_subcommand': ['speedy', '--num_layers=4'],
     'no_subcommand': ['--num_layers=4'],
     'bad_layers': ['memory', '--num_layers=0'],
@@ -61,8 +72,8 @@ def runs(tmp_path_factory):
 def testMemoryEndToEnd(runs):
   code, stdout, stderr = runs['tiny']
   assert code == 0, stderr
-  assert 'model                       peak MiB  x plain   step s  x plain' \
-      in stdout
+  assert ('model                               peak MiB  x plain   step s  '
+          'x plain') in stdout
   assert 'Largest model within 100.0 MiB' in stdout
   with open(os.path.join(runs['tmp'], 'memory.json')) as f:
     numbers = json.load(f)
@@ -71,8 +82,8 @@ def testMemoryEndToEnd(runs):
   assert numbers['flags']['num_layers'] == 4
   names = [row['name'] for row in numbers['rows']]
   assert names == [
-      'plain', 'gpipe K=1 M=2 always', 'gpipe K=1 M=2 except_last',
-      'gpipe K=1 M=2 never'
+      'plain', 'gpipe unrolled K=1 M=2 always',
+      'gpipe unrolled K=1 M=2 except_last', 'gpipe unrolled K=1 M=2 never'
   ]
   for row in numbers['rows']:
     assert row['name'] in stdout
@@ -115,9 +126,10 @@ def testSpeedEndToEnd(runs):
       measured.append(row[variant])
       assert row['examples_per_s'][variant] > 0, row
   assert [m['name'] for m in measured] == [
-      'plain', 'gpipe K=1 M=1 never', 'gpipe K=1 M=2 always', 'lingvo K=1 M=2',
-      'gpipe tf.function K=1 M=2 always', 'gpipe K=2 M=2 always',
-      'lingvo K=2 M=2', 'gpipe tf.function K=2 M=2 always'
+      'plain', 'gpipe unrolled K=1 M=1 never', 'gpipe unrolled K=1 M=2 always',
+      'lingvo K=1 M=2', 'gpipe unrolled K=1 M=2 always function',
+      'gpipe unrolled K=2 M=2 always', 'lingvo K=2 M=2',
+      'gpipe unrolled K=2 M=2 always function'
   ]
   for m in measured:
     for key in ('step_s', 'warmup_s', 'build_s'):
@@ -128,9 +140,40 @@ def testSpeedEndToEnd(runs):
     assert len(m['runs']) == 1
 
 
+def testScaleEndToEnd(runs):
+  """Both engines and Lingvo at two M; the loop's HLO does not grow."""
+  code, stdout, stderr = runs['scale']
+  assert code == 0, stderr
+  assert ' K    M |     HLO lines | tf.fn first s |' in stdout
+  assert 'Targets:' in stdout and '<= 1 at every (K, M)' in stdout
+  assert os.path.getsize(os.path.join(runs['tmp'], 'scale.png')) > 10000
+  with open(os.path.join(runs['tmp'], 'scale.json')) as f:
+    numbers = json.load(f)
+  assert numbers['subprocesses'] == 14
+  rows = numbers['rows']
+  assert [(r['stages'], r['micro_batches']) for r in rows] == [(2, 2), (2, 4)]
+  loop_lines = [r['loop']['hlo_lines'] for r in rows]
+  unrolled_lines = [r['unrolled']['hlo_lines'] for r in rows]
+  assert loop_lines[0] == loop_lines[1], loop_lines
+  assert unrolled_lines[1] > 1.5 * unrolled_lines[0], unrolled_lines
+  for row in rows:
+    assert row['auto_engine'] == 'unrolled'  # K x M < 32.
+    assert row['best_engine'] in ('unrolled', 'loop')
+    assert row['auto_cost_ratio'] >= 1.0
+    for impl in ('unrolled', 'loop', 'lingvo'):
+      assert row[impl]['step_s'] > 0 and row[impl]['build_s'] > 0, row
+  assert {t['target'] for t in numbers['targets']} >= {
+      'loop graph build / Lingvo <= 1 at every (K, M)',
+      'loop step / Lingvo <= 1 at every (K, M)'}
+
+
 @pytest.mark.parametrize('name, message', [
     ('bad_subcommand', "subcommand 'speedy' is not valid; use one of "
-     "['memory', 'speed']"),
+     "['memory', 'scale', 'speed']"),
+    ('bad_engines', "--engines=unrolled,fast: 'fast' is not one of "
+     "['unrolled', 'loop']"),
+    ('bad_scale_stages', 'scale: --scale_stages: K=3 is more than '
+     '--num_layers=2'),
     ('no_subcommand', 'subcommand none is not valid'),
     ('bad_layers', '--num_layers=0'),
     ('bad_remat', "--remat=always,sometimes: 'sometimes' is not one of"),

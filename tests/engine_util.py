@@ -87,8 +87,10 @@ def ObservableLoops(engine):
 def LoopCallDevices(graph):
   """{(phase, stage): devices} of the loop engine's stage calls in `graph`.
 
-  The calls sit in the branches of the loops' per-stage conds, functions
-  named '...stage<k>_<phase>_true_...'.
+  Calls on ticks where some stage idles sit in the branches of per-stage
+  conds, functions named '...stage<k>_<phase>_true_...'; calls on ticks where
+  every stage works sit in a loop body ('..._<phase>_<i>_body_...') as
+  'stage<k>/...' nodes.
 
   Args:
     graph: A graph with the loop engine's loops (TF1 or tf.function's).
@@ -98,10 +100,16 @@ def LoopCallDevices(graph):
   """
   devices = collections.defaultdict(set)
   for function in graph.as_graph_def().library.function:
-    match = re.search(r'stage(\d+)_(forward|backward)_true',
-                      function.signature.name)
-    if match:
-      for node in function.node_def:
-        if node.op == 'StatefulPartitionedCall':
-          devices[match.group(2), int(match.group(1))].add(node.device)
+    name = function.signature.name
+    branch = re.search(r'stage(\d+)_(forward|backward)_true', name)
+    body = re.search(r'(forward|backward)_\d+_body', name)
+    for node in function.node_def:
+      if node.op != 'StatefulPartitionedCall':
+        continue
+      if branch:
+        devices[branch.group(2), int(branch.group(1))].add(node.device)
+      elif body:
+        stage = re.search(r'stage(\d+)/', node.name)
+        assert stage, (name, node.name)
+        devices[body.group(1), int(stage.group(1))].add(node.device)
   return dict(devices)

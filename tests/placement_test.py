@@ -75,9 +75,17 @@ def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
   assert dict(test_util.FCKernelRuns(step_stats)) == expected
 
 
-def testLoopStageCallsCarryTheirDevices():
-  """The loops as they normally run hold each stage's calls on its device."""
-  graph, _ = _TracedStep('always', engine='loop')
+@pytest.mark.parametrize('num_micro_batches', [2, 8])
+def testLoopStageCallsCarryTheirDevices(num_micro_batches):
+  """The loops as they normally run hold each stage's calls on its device.
+
+  With M = 2 < K every tick has an idle stage (calls in conds); with M = 8
+  the middle ticks call every stage directly.
+
+  Args:
+    num_micro_batches: M.
+  """
+  graph, _ = _TracedStep('always', num_micro_batches, engine='loop')
   assert engine_util.LoopCallDevices(graph) == {
       (phase, k): {f'/device:CPU:{k}'}
       for phase in ('forward', 'backward') for k in range(4)}

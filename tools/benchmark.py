@@ -3,17 +3,20 @@
     python tools/benchmark.py memory
     python tools/benchmark.py memory --num_layers=16 --batch=4096 --repeats=3
     python tools/benchmark.py memory --nobudget_search --micro_batches=4,8
+    python tools/benchmark.py memory --engines=unrolled,loop --modes=graph,xla
     python tools/benchmark.py speed
     python tools/benchmark.py speed --speed_stages=2,4 --speed_micro_batches=8
+    python tools/benchmark.py scale --png_out=docs/scale.png
 
 Subcommands (the first argument that is not a flag), one module of the
 repository's `benchmarks` package each:
   memory  Peak memory and step time of one training step (forward,
-          tf.gradients, SGD update; TF1 graph and session) of a deep stack of
-          Lingvo FCLayers: the plain `builder_layers.SequentialLayer` and
-          GPipeSequentialLayer with one stage for every number of
-          micro-batches M and re-materialization mode. Then the largest number
-          of layers whose step fits a memory budget, plain vs. GPipe
+          gradients, SGD update) of a deep stack of Lingvo FCLayers: the
+          plain `builder_layers.SequentialLayer` and GPipeSequentialLayer with
+          one stage for every engine (--engines), re-materialization mode and
+          number of micro-batches M, in a TF1 graph and session and/or
+          compiled by XLA (--modes). Then the largest number of layers whose
+          graph-mode step fits a memory budget, plain vs. GPipe
           (`benchmarks.memory`).
   speed   Step time, first-step time, graph build time and peak memory of the
           same kind of training step (gradients colocated with their ops, as
@@ -25,7 +28,15 @@ repository's `benchmarks` package each:
           (GradientTape), plus the plain SequentialLayer and GPipe with
           remat='never' at K=1, M=1 as references (`benchmarks.speed`).
           Unless given, its flags default to --num_layers=16 --batch=2048
-          --steps=5 --repeats=2.
+          --steps=5 --repeats=2. GPipe uses the unrolled engine here.
+  scale   How start-up and step time grow with M, for both engines and
+          Lingvo's PipeliningLayer, for every K in --scale_stages and M in
+          --scale_micro_batches: HLO lines, tf.function trace + first call,
+          XLA trace + compile + first call, graph build, first run, steady
+          step and peak memory; the issue #12 targets and a PNG of start-up
+          cost against M (--png_out) (`benchmarks.scale`). Unless given, its
+          flags default to --num_layers=16 --dim=64 --batch=512 --steps=5
+          --repeats=1.
 
 Every configuration runs in a fresh worker process (`python -m
 benchmarks.worker`), so allocator peaks never leak from one configuration into
@@ -54,6 +65,7 @@ from absl import flags
 
 from benchmarks import memory
 from benchmarks import runner as runner_lib
+from benchmarks import scale
 from benchmarks import speed
 from lingvo_gpipe.planning import schedule
 from tools import cli
@@ -107,17 +119,38 @@ flags.DEFINE_integer(
     'search: larger models are not tried (the result is then reported as '
     'capped).', lower_bound=1)
 flags.DEFINE_list(
+    'engines', ['unrolled'], 'memory: comma-separated GPipeSequentialLayer '
+    "engines to measure: unrolled, loop (which measures remat='always' "
+    'only).')
+flags.DEFINE_list(
+    'modes', ['graph'], 'memory: comma-separated ways to build the step: '
+    'graph (TF1 graph and session), xla (tf.function with '
+    'jit_compile=True), function (tf.function).')
+flags.DEFINE_list(
     'speed_stages', ['1', '2', '4'], 'speed: comma-separated numbers of '
     'pipeline stages K (= logical CPU devices) to measure.')
 flags.DEFINE_list(
     'speed_micro_batches', ['1', '4', '8', '16'], 'speed: comma-separated '
     'numbers of micro-batches M to measure with every K.')
+flags.DEFINE_list(
+    'scale_stages', ['2', '4', '8'], 'scale: comma-separated numbers of '
+    'pipeline stages K (= logical CPU devices) to measure.')
+flags.DEFINE_list(
+    'scale_micro_batches', ['4', '8', '32', '64', '128'], 'scale: '
+    'comma-separated numbers of micro-batches M to measure with every K.')
+flags.DEFINE_string(
+    'png_out', None, 'scale: optional path of a PNG plot of start-up cost '
+    '(tf.function, XLA, graph mode) against M.')
 
 BenchmarkError = runner_lib.BenchmarkError
 
 # Defaults of the speed subcommand for shared flags the user did not give:
 # a step of about 0.1-0.5 s on 2 cores, so that the whole run stays short.
 _SPEED_DEFAULTS = {'num_layers': 16, 'batch': 2048, 'steps': 5, 'repeats': 2}
+# Defaults of the scale subcommand: the model of issue #12's measurements
+# (16 FCLayers of 64, batch 512), small enough for M = 128 and K = 8.
+_SCALE_DEFAULTS = {'num_layers': 16, 'dim': 64, 'batch': 512, 'steps': 5,
+                   'repeats': 1}
 
 
 def _Progress(line: str) -> None:
@@ -130,28 +163,31 @@ def _NoPositionalArguments(subcommand: str, args: Sequence[str]) -> None:
                          f'{list(args)}.')
 
 
-def _CheckDivides(flag: str, micro_batches: Sequence[int], batch: int) -> None:
-  """Raises BenchmarkError unless every M of --flag divides the batch."""
-  for m in micro_batches:
-    if batch % m:
-      raise BenchmarkError(f'--{flag}: M={m} does not divide --batch={batch}; '
-                           'use a divisor of the batch.')
+def _Choices(flag: str, valid: Sequence[str]) -> List[str]:
+  """The values of list flag --flag, each checked against `valid`."""
+  values = list(FLAGS[flag].value)
+  if not values:
+    raise BenchmarkError(f'--{flag} is empty; use some of {list(valid)}.')
+  for v in values:
+    if v not in valid:
+      raise BenchmarkError(f'--{flag}={",".join(values)}: {v!r} is not one '
+                           f'of {list(valid)}.')
+  return values
 
 
 def _CheckMemoryFlags() -> Tuple[List[int], List[str]]:
   """Validates the memory flags; returns (micro-batch counts, remat modes)."""
   micro_batches = cli.PositiveIntsFlag('micro_batches', BenchmarkError)
-  for v in FLAGS.remat:
-    if v not in schedule.REMAT_MODES:
-      raise BenchmarkError(f'--remat={",".join(FLAGS.remat)}: {v!r} is not '
-                           f'one of {list(schedule.REMAT_MODES)}.')
-  _CheckDivides('micro_batches', micro_batches, FLAGS.batch)
+  remats = _Choices('remat', schedule.REMAT_MODES)
+  _Choices('engines', schedule.ENGINES)
+  _Choices('modes', runner_lib.MODES)
+  runner_lib.CheckMicroBatches('micro_batches', micro_batches, FLAGS.batch)
   if FLAGS.budget_search:
-    _CheckDivides('budget_micro_batches', [FLAGS.budget_micro_batches],
-                  FLAGS.batch)
+    runner_lib.CheckMicroBatches('budget_micro_batches',
+                                 [FLAGS.budget_micro_batches], FLAGS.batch)
   if FLAGS.budget_mib is not None and FLAGS.budget_mib <= 0:
     raise BenchmarkError(f'--budget_mib={FLAGS.budget_mib} must be positive.')
-  return micro_batches, list(FLAGS.remat)
+  return micro_batches, remats
 
 
 def Memory(args: Sequence[str]) -> Dict[str, Any]:
@@ -171,7 +207,8 @@ def Memory(args: Sequence[str]) -> Dict[str, Any]:
   start = time.time()
   runner = runner_lib.Runner(FLAGS.parallel, _Progress)
   configs = memory.Configs(FLAGS.num_layers, FLAGS.dim, FLAGS.batch,
-                           FLAGS.steps, micro_batches, remats)
+                           FLAGS.steps, micro_batches, remats, FLAGS.engines,
+                           FLAGS.modes)
   _Progress(f'Measuring {len(configs)} configurations x {FLAGS.repeats} '
             'repeats, each in a subprocess...')
   rows = memory.MeasureRows(runner, configs, FLAGS.repeats)
@@ -186,14 +223,18 @@ def Memory(args: Sequence[str]) -> Dict[str, Any]:
       'flags': {
           name: FLAGS[name].value for name in (
               'num_layers', 'dim', 'batch', 'micro_batches', 'remat',
-              'steps', 'repeats', 'parallel', 'budget_search', 'budget_mib',
-              'budget_micro_batches', 'budget_max_layers', 'json_out')
+              'engines', 'modes', 'steps', 'repeats', 'parallel',
+              'budget_search', 'budget_mib', 'budget_micro_batches',
+              'budget_max_layers', 'json_out')
       },
       'tf_version': first['tf_version'],
       'lingvo_version': first['lingvo_version'],
       'rows': rows,
       'budget': None,
   }
+  if FLAGS.budget_search and 'graph' not in FLAGS.modes:
+    raise BenchmarkError('--budget_search searches graph-mode models; add '
+                         'graph to --modes or pass --nobudget_search.')
   if FLAGS.budget_search:
     budget_mib = (FLAGS.budget_mib if FLAGS.budget_mib is not None else
                   rows[0]['peak_mib'] / 2)
@@ -209,9 +250,9 @@ def Memory(args: Sequence[str]) -> Dict[str, Any]:
   return numbers
 
 
-def _SpeedFlag(name: str) -> Any:
-  """The flag's value if given on the command line, else speed's default."""
-  return FLAGS[name].value if FLAGS[name].present else _SPEED_DEFAULTS[name]
+def _SubcommandFlag(name: str, defaults: Dict[str, Any]) -> Any:
+  """The flag's value if given on the command line, else `defaults[name]`."""
+  return FLAGS[name].value if FLAGS[name].present else defaults[name]
 
 
 def Speed(args: Sequence[str]) -> Dict[str, Any]:
@@ -229,15 +270,12 @@ def Speed(args: Sequence[str]) -> Dict[str, Any]:
   """
   _NoPositionalArguments('speed', args)
   num_layers, batch, steps, repeats = (
-      _SpeedFlag(name) for name in ('num_layers', 'batch', 'steps', 'repeats'))
+      _SubcommandFlag(name, _SPEED_DEFAULTS)
+      for name in ('num_layers', 'batch', 'steps', 'repeats'))
   stages = cli.PositiveIntsFlag('speed_stages', BenchmarkError)
   micro_batches = cli.PositiveIntsFlag('speed_micro_batches', BenchmarkError)
-  for k in stages:
-    if k > num_layers:
-      raise BenchmarkError(f'--speed_stages: K={k} is more than '
-                           f'--num_layers={num_layers}; every stage needs a '
-                           'cell.')
-  _CheckDivides('speed_micro_batches', micro_batches, batch)
+  runner_lib.CheckStages('speed_stages', stages, num_layers)
+  runner_lib.CheckMicroBatches('speed_micro_batches', micro_batches, batch)
   start = time.time()
   runner = runner_lib.Runner(FLAGS.parallel, _Progress)
   shapes = [(k, m) for k in stages for m in micro_batches]
@@ -277,10 +315,75 @@ def Speed(args: Sequence[str]) -> Dict[str, Any]:
   return numbers
 
 
+def Scale(args: Sequence[str]) -> Dict[str, Any]:
+  """The `scale` subcommand: start-up and step cost of both engines and Lingvo.
+
+  Args:
+    args: Positional arguments after the subcommand (must be empty).
+
+  Returns:
+    A JSON-ready dict with the flags, versions, one row per (K, M), the
+    targets and every measurement.
+
+  Raises:
+    BenchmarkError: on bad flags or a failed measurement.
+  """
+  _NoPositionalArguments('scale', args)
+  num_layers, dim, batch, steps, repeats = (
+      _SubcommandFlag(name, _SCALE_DEFAULTS)
+      for name in ('num_layers', 'dim', 'batch', 'steps', 'repeats'))
+  stages = cli.PositiveIntsFlag('scale_stages', BenchmarkError)
+  micro_batches = cli.PositiveIntsFlag('scale_micro_batches', BenchmarkError)
+  runner_lib.CheckStages('scale_stages', stages, num_layers)
+  runner_lib.CheckMicroBatches('scale_micro_batches', micro_batches, batch)
+  start = time.time()
+  runner = runner_lib.Runner(FLAGS.parallel, _Progress)
+  shapes = scale.AllShapes(stages, micro_batches)
+  configs = scale.Configs(num_layers, dim, batch, steps, shapes)
+  _Progress(f'Measuring {len(configs)} configurations x {repeats} rounds, '
+            'each in a subprocess...')
+  measured = runner_lib.MeasureTable(runner, configs, repeats)
+  rows = scale.Rows(measured, shapes)
+  targets = scale.Targets(rows)
+  print(f'One training step of {num_layers} FCLayers, dim {dim}, batch '
+        f'{batch} on K logical CPU devices, remat=always (median of {repeats} '
+        f'rounds x {steps} steps); u = unrolled, l = loop, L = Lingvo '
+        'PipeliningLayer:')
+  print(scale.FormatTable(rows))
+  print('Targets:')
+  print(scale.FormatTargets(targets))
+  if FLAGS.png_out:
+    scale.DrawStartup(rows, FLAGS.png_out,
+                      f'Start-up cost against M: {num_layers} FCLayers of '
+                      f'{dim}, batch {batch}, remat=always')
+    print(f'Wrote {FLAGS.png_out}')
+  first = measured[0]['runs'][0]
+  numbers = {
+      'subcommand': 'scale',
+      'flags': {
+          'num_layers': num_layers, 'dim': dim, 'batch': batch,
+          'steps': steps, 'warmups': scale.WARMUPS, 'repeats': repeats,
+          'scale_stages': stages, 'scale_micro_batches': micro_batches,
+          'parallel': FLAGS.parallel, 'png_out': FLAGS.png_out,
+          'json_out': FLAGS.json_out,
+      },
+      'tf_version': first['tf_version'],
+      'lingvo_version': first['lingvo_version'],
+      'rows': rows,
+      'targets': targets,
+      'measurements': measured,
+      'subprocesses': runner.num_runs,
+      'total_s': time.time() - start,
+  }
+  print(f'{runner.num_runs} subprocesses, {numbers["total_s"]:.0f} s.')
+  return numbers
+
+
 # Subcommand name -> function(positional args) -> JSON-ready dict (or None).
 SUBCOMMANDS: Dict[str, Callable[[Sequence[str]], Optional[Dict[str, Any]]]] = {
     'memory': Memory,
     'speed': Speed,
+    'scale': Scale,
 }
 
 if __name__ == '__main__':

@@ -205,23 +205,70 @@ def _KeepUnlowered(outputs: Any, op_types: Tuple[str, ...]) -> None:
       return
 
 
+def _Segments(table: List[List[int]]) -> List[Tuple[List[List[int]], bool]]:
+  """Cuts a phase table into runs of ticks: every stage busy, or not.
+
+  GPipe's table has K - 1 filling ticks, M - K + 1 ticks in which every stage
+  works, and K - 1 draining ticks.
+
+  Args:
+    table: Rows of micro-batches per stage (`schedule.PhaseTable`).
+
+  Returns:
+    (rows, busy) pairs in order; `busy` if no row has an idle stage.
+  """
+  segments = []
+  for row in table:
+    busy = schedule.IDLE not in row
+    if segments and segments[-1][1] == busy:
+      segments[-1][0].append(row)
+    else:
+      segments.append(([row], busy))
+  return segments
+
+
+def _Call(micro_batch: tf.Tensor, run, skip, busy: bool, name: str):
+  """`run()` if every stage is busy, else a tf.cond on `micro_batch`."""
+  if busy:
+    return run()
+  results = tf.cond(micro_batch >= 0, run, skip, name=name)
+  _KeepUnlowered(results, _IF_OPS)
+  return results
+
+
 def _Loop(table: List[List[int]], body, loop_vars, shape_invariants,
           name: str):
-  """Runs `body(t, m_per_stage, loop_vars)` for every row t of `table`."""
-  num_ticks = len(table)
-  table = tf.constant(table, tf.int32, name='ticks')
+  """Runs `body(m_per_stage, loop_vars, busy)` for every row of `table`.
 
-  def Body(t, *state):
-    return [t + 1] + list(body(t, table[t], list(state)))
+  One while loop per segment (`_Segments`): the stages of a busy segment's
+  ticks call their bodies directly, the others through a tf.cond that skips
+  idle stages. At most three loops, whatever M is.
 
-  results = tf.while_loop(
-      lambda t, *_: t < num_ticks,
-      Body, [tf.constant(0)] + list(loop_vars),
-      shape_invariants=[tf.TensorShape([])] + list(shape_invariants),
-      maximum_iterations=num_ticks,
-      name=name)
-  _KeepUnlowered(results[0], ('While', 'StatelessWhile'))
-  return list(results[1:])
+  Args:
+    table: Rows of micro-batches per stage.
+    body: Builds one tick; returns the new loop variables.
+    loop_vars: The loop variables (nests of tensors and TensorArrays).
+    shape_invariants: Their shapes, as tf.while_loop takes them.
+    name: The loops' name prefix.
+
+  Returns:
+    The loop variables after the last tick.
+  """
+  for i, (rows, busy) in enumerate(_Segments(table)):
+    ticks = tf.constant(rows, tf.int32, name=f'{name}_ticks_{i}')
+
+    def Body(t, *state, ticks=ticks, busy=busy):
+      return [t + 1] + list(body(ticks[t], list(state), busy))
+
+    results = tf.while_loop(
+        lambda t, *_, n=len(rows): t < n,
+        Body, [tf.constant(0)] + list(loop_vars),
+        shape_invariants=[tf.TensorShape([])] + list(shape_invariants),
+        maximum_iterations=len(rows),
+        name=f'{name}_{i}')
+    _KeepUnlowered(results[0], ('While', 'StatelessWhile'))
+    loop_vars = list(results[1:])
+  return loop_vars
 
 
 def _Forward(plan: _Plan, theta: List[List[tf.Tensor]],
@@ -265,8 +312,7 @@ def _Forward(plan: _Plan, theta: List[List[tf.Tensor]],
                 [[tf.TensorShape(None)] * len(a) for a in saved_states],
                 [tf.TensorShape(None)] * len(outputs))
 
-  def Body(t, micro_batches, loop_vars):
-    del t
+  def Body(micro_batches, loop_vars, busy):
     carries, states, saved_x, saved_states, outputs = loop_vars
     new_carries = list(carries)
     new_states, new_saved_x = list(states), list(saved_x)
@@ -291,9 +337,8 @@ def _Forward(plan: _Plan, theta: List[List[tf.Tensor]],
           return (outputs if last else carries[k + 1], states[k], saved_x[k],
                   saved_states[k])
 
-        results = tf.cond(m >= 0, Run, Skip, name='forward')
-        _KeepUnlowered(results, _IF_OPS)
-        sent, new_states[k], new_saved_x[k], new_saved_states[k] = results
+        sent, new_states[k], new_saved_x[k], new_saved_states[k] = _Call(
+            m, Run, Skip, busy, 'forward')
         if last:
           new_outputs = sent
         else:
@@ -304,7 +349,7 @@ def _Forward(plan: _Plan, theta: List[List[tf.Tensor]],
   carries, states, saved_x, saved_states, outputs = _Loop(
       schedule.PhaseTable(schedule.GPipeTicks(num_stages, num_micro),
                           'forward'),
-      lambda t, m, v: list(Body(t, m, v)),
+      lambda m, v, busy: list(Body(m, v, busy)),
       [carries, list(initial_states), saved_x, saved_states, outputs],
       list(invariants), 'forward')
   with tf.device(plan.stages[-1].device):
@@ -379,8 +424,7 @@ def _Backward(plan: _Plan, theta: List[List[tf.Tensor]],
       [[t.shape for t in v] for v in d_theta_vars],
       [tf.TensorShape(None)] * len(d_x0))
 
-  def Body(t, micro_batches, loop_vars):
-    del t
+  def Body(micro_batches, loop_vars, busy):
     d_carries, d_state_vars, d_theta_vars, d_x0 = loop_vars
     new_carries, new_states = list(d_carries), list(d_state_vars)
     new_thetas, new_d_x0 = list(d_theta_vars), d_x0
@@ -417,9 +461,8 @@ def _Backward(plan: _Plan, theta: List[List[tf.Tensor]],
           return (d_x0 if k == 0 else d_carries[k - 1], d_state_vars[k],
                   d_theta_vars[k])
 
-        results = tf.cond(m >= 0, Run, Skip, name='backward')
-        _KeepUnlowered(results, _IF_OPS)
-        sent, new_states[k], new_thetas[k] = results
+        sent, new_states[k], new_thetas[k] = _Call(m, Run, Skip, busy,
+                                                   'backward')
         if k == 0:
           new_d_x0 = sent
         else:
@@ -429,7 +472,7 @@ def _Backward(plan: _Plan, theta: List[List[tf.Tensor]],
   _, d_state_vars, d_theta_vars, d_x0 = _Loop(
       schedule.PhaseTable(schedule.GPipeTicks(num_stages, num_micro),
                           'backward'),
-      lambda t, m, v: list(Body(t, m, v)),
+      lambda m, v, busy: list(Body(m, v, busy)),
       [d_carries, d_state_vars, d_theta_vars, d_x0], list(invariants),
       'backward')
 
