@@ -75,7 +75,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "trace and XLA compile grow with K x M), 'loop' (while loops over "
         "the clock ticks: the graph does not grow with M; remat='always' "
         "only) or 'auto' ('loop' when remat='always' and K x M >= "
-        f'{schedule.AUTO_LOOP_MIN_CALLS}, else \'unrolled\').')
+        f'{schedule.AUTO_LOOP_MIN_CALLS} or on TPU, else \'unrolled\').')
     return p
 
   def __init__(self, params):
@@ -258,7 +258,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     """The engine that builds a step with M micro-batches: unrolled or loop."""
     p = self.params
     return schedule.ChooseEngine(p.engine, self.num_stages, num_micro_batches,
-                                 p.remat)
+                                 p.remat, compiled_by_xla=py_utils.use_tpu())
 
   def BubbleFraction(self, batch_size):
     """The idle fraction (K - 1) / (M + K - 1) of a step with this batch."""

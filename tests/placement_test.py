@@ -225,7 +225,13 @@ def testStageOpsArePlacedOnTpuCores(num_stages, lingvo_cluster):
 
 
 def testLayerOnTpuUsesLogicalCores():
-  """Under Lingvo's TPU flag, devices=None means the replica's cores."""
+  """Under Lingvo's TPU flag, devices=None means the replica's cores.
+
+  And engine='auto' builds the loop engine whatever M: under XLA only its
+  recompute saves memory.
+  """
   with flagsaver.flagsaver(xla_device='tpu', enable_asserts=False):
     pipe = test_util.PipeParams(test_util.FCCells(), num_stages=4).Instantiate()
     assert pipe.StageDevices() == tpu.TpuStageDevices(4)
+    assert pipe.Engine(num_micro_batches=2) == 'loop'
+  assert pipe.Engine(num_micro_batches=2) == 'unrolled'  # CPU, K x M < 32.

@@ -247,18 +247,19 @@ def testPhaseTableRejectsMixedTicks():
     schedule.PhaseTable(one_f_one_b, 'forward')
 
 
-@pytest.mark.parametrize('engine,k,m,remat,expected', [
-    ('auto', 4, 7, 'always', 'unrolled'),
-    ('auto', 4, 8, 'always', 'loop'),
-    ('auto', 1, 32, 'always', 'loop'),
-    ('auto', 8, 64, 'never', 'unrolled'),
-    ('auto', 8, 64, 'except_last', 'unrolled'),
-    ('unrolled', 8, 64, 'always', 'unrolled'),
-    ('loop', 1, 1, 'always', 'loop'),
+@pytest.mark.parametrize('engine,k,m,remat,xla,expected', [
+    ('auto', 4, 7, 'always', False, 'unrolled'),
+    ('auto', 4, 8, 'always', False, 'loop'),
+    ('auto', 1, 32, 'always', False, 'loop'),
+    ('auto', 2, 2, 'always', True, 'loop'),
+    ('auto', 8, 64, 'never', False, 'unrolled'),
+    ('auto', 8, 64, 'except_last', True, 'unrolled'),
+    ('unrolled', 8, 64, 'always', True, 'unrolled'),
+    ('loop', 1, 1, 'always', False, 'loop'),
 ])
-def testChooseEngine(engine, k, m, remat, expected):
+def testChooseEngine(engine, k, m, remat, xla, expected):
   assert schedule.AUTO_LOOP_MIN_CALLS == 32
-  assert schedule.ChooseEngine(engine, k, m, remat) == expected
+  assert schedule.ChooseEngine(engine, k, m, remat, xla) == expected
 
 
 @pytest.mark.parametrize('engine,remat,message', [

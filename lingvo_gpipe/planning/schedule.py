@@ -190,18 +190,24 @@ def CheckEngine(engine: str, remat: str) -> None:
         f'remat={remat!r}.')
 
 
-def ChooseEngine(engine: str, num_stages: int, num_micro_batches: int,
-                 remat: str) -> str:
+def ChooseEngine(engine: str,
+                 num_stages: int,
+                 num_micro_batches: int,
+                 remat: str,
+                 compiled_by_xla: bool = False) -> str:
   """The engine that builds a step: `engine` itself unless it is 'auto'.
 
-  'auto' is 'loop' when remat is 'always' and K * M >= AUTO_LOOP_MIN_CALLS,
-  else 'unrolled'.
+  'auto' is 'loop' when remat is 'always' and either K * M >=
+  AUTO_LOOP_MIN_CALLS or the step is compiled by XLA; else 'unrolled'. Under
+  XLA the unrolled engine's recompute is merged back into the forward pass
+  and saves no memory, the loop engine's is not (docs/engines.md).
 
   Args:
     engine: 'auto', 'unrolled' or 'loop'.
     num_stages: K.
     num_micro_batches: M.
     remat: One of `REMAT_MODES`.
+    compiled_by_xla: Whether XLA compiles the step (e.g. on TPU).
 
   Returns:
     'unrolled' or 'loop'.
@@ -215,7 +221,8 @@ def ChooseEngine(engine: str, num_stages: int, num_micro_batches: int,
   checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
   if engine != 'auto':
     return engine
-  if (remat in LOOP_REMAT_MODES and
+  if remat in LOOP_REMAT_MODES and (
+      compiled_by_xla or
       num_stages * num_micro_batches >= AUTO_LOOP_MIN_CALLS):
     return 'loop'
   return 'unrolled'
