@@ -63,9 +63,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "micro-batch inputs, recompute the rest in the backward pass), "
         "'except_last' (not for the last micro-batch) or 'never'.")
     p.Define(
-        'devices', None, 'K device strings, one per stage. None: the '
-        "Lingvo cluster's model split if it has K devices, else K local "
-        'devices of one type, else the default device.')
+        'devices', None, 'K device strings, one per stage. None: the first '
+        "K devices of the Lingvo cluster's model split if it has at least K "
+        "(stage k on the split's device k, as Lingvo's PipeliningLayer), "
+        'else K local devices of one type, else the default device.')
     p.Define(
         'nested_map_fprop', False, 'If True, cells take and return one '
         'NestedMap instead of positional tensors.')
@@ -234,18 +235,36 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     return batch_size // p.micro_batch_size
 
   def StageDevices(self):
-    """The device of every stage (see `placement.StageDevices`)."""
+    """The device of every stage (see `placement.StageDevices`).
+
+    With devices=None in a Lingvo cluster whose model split has at least K
+    devices, stage k runs on the split's device k, where Lingvo's
+    PipeliningLayer puts its cell k. The first call (and any call that
+    resolves differently, e.g. another replica's split) logs the placement.
+
+    Returns:
+      K device strings; '' is the default device.
+    """
     num_stages = self.num_stages
     if self.params.devices is None and py_utils.use_tpu():
       # Each replica's logical core k, whatever host devices Lingvo's (eager)
       # TPU cluster lists; in graph mode its model split says the same.
       return tpu.TpuStageDevices(num_stages)
-    model_split = None
-    if self.cluster.num_devices_per_split == num_stages:
-      model_split = [
-          self.cluster.WorkerDeviceInModelSplit(k) for k in range(num_stages)
-      ]
-    return placement.StageDevices(num_stages, self.params.devices, model_split)
+    cluster = self.cluster
+    model_split = [
+        cluster.WorkerDeviceInModelSplit(k)
+        for k in range(cluster.num_devices_per_split)
+    ]
+    devices = placement.StageDevices(num_stages, self.params.devices,
+                                     model_split)
+    placement_log = (f'{self.params.name}: stage devices {devices} for '
+                     f'partition {self.partition} (model split of '
+                     f'{len(model_split)} devices)')
+    # A string: tf.Module would wrap a list attribute for tracking.
+    if placement_log != getattr(self, '_placement_log', None):
+      self._placement_log = placement_log
+      logging.info(placement_log)
+    return devices
 
   def BubbleFraction(self, batch_size):
     """The idle fraction (K - 1) / (M + K - 1) of a step with this batch."""
