@@ -20,6 +20,7 @@ from lingvo.core import py_utils
 from lingvo_gpipe import batchnorm
 from lingvo_gpipe import cells as cells_lib
 from lingvo_gpipe import costs as costs_lib
+from lingvo_gpipe import from_lingvo
 from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.engine import placement
@@ -71,6 +72,29 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         'nested_map_fprop', False, 'If True, cells take and return one '
         'NestedMap instead of positional tensors.')
     return p
+
+  @classmethod
+  def FromPipeliningLayer(cls, p):
+    """The GPipeSequentialLayer params of a Lingvo GPipe pipeline.
+
+        p = GPipeSequentialLayer.FromPipeliningLayer(lingvo_stack_params)
+        p.remat = 'except_last'
+
+    See `from_lingvo` for what carries over and what raises.
+
+    Args:
+      p: Params of Lingvo's `gpipe.PipeliningLayer`, or of a subclass such as
+        the stacks of `layers_with_gpipe` (whose cells their `__init__`
+        builds).
+
+    Returns:
+      GPipeSequentialLayer params: the cells' layers in order, partition =
+      layers per Lingvo cell, the same micro-batching and batch_dim.
+
+    Raises:
+      ValueError: for what has no equivalent, naming the parameter.
+    """
+    return from_lingvo.Convert(from_lingvo.BuiltParams(p), cls.Params()).params
 
   def __init__(self, params):
     super().__init__(params)
