@@ -161,8 +161,8 @@ def Renames(model, keys: Sequence[str], to: str) -> Dict[str, str]:
     if to == 'lingvo':
       namespaces.append(pipe.scope)
     else:
-      namespaces += [f'{pipe.parent}{s.split("/")[0]}/' for s in lingvo.values()]
-      namespaces += [f'{pipe.parent}{c}/' for c in pipe.cell_names]
+      cells = {s.split('/')[0] for s in lingvo.values()} | pipe.cell_names
+      namespaces += [f'{pipe.parent}{c}/' for c in cells]
   to_lingvo = {ours: lingvo for lingvo, ours in to_ours.items()}
   rules, inverse = (to_ours, to_lingvo) if to == 'ours' else (to_lingvo,
                                                               to_ours)

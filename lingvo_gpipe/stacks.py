@@ -68,8 +68,8 @@ def _PipelineParams(p):
     value, default = p.pipeline_tpl.Get(name), defaults.Get(name)
     if value != default:
       raise ValueError(
-          f'pipeline_tpl.{name}={value!r}: this field comes from the layer\'s '
-          'Lingvo params (name, cell_tpl or a stack\'s splits, '
+          f"pipeline_tpl.{name}={value!r}: this field comes from the layer's "
+          "Lingvo params (name, cell_tpl or a stack's splits, "
           'num_micro_batches, micro_batch_size, batch_dim, nested_map_fprop);'
           f' set it there and leave pipeline_tpl.{name}={default!r}.')
   return p.pipeline_tpl
@@ -98,7 +98,9 @@ class PipeliningLayer(gpipe.PipeliningLayer):
 
   def __init__(self, params):
     # BaseLayer's, not gpipe.SeqLayer's, which would create Lingvo's cells.
-    base_layer.BaseLayer.__init__(self, params)  # pylint: disable=non-parent-init-called
+    # pylint: disable=non-parent-init-called
+    base_layer.BaseLayer.__init__(self, params)
+    # pylint: enable=non-parent-init-called
     p = self.params
     conversion = from_lingvo.Convert(p, _PipelineParams(p))
     self._lingvo_scopes = conversion.lingvo_scopes
@@ -272,9 +274,8 @@ class GPipeTransformerStack(_TransformerStackMethods,
                                 target_paddings)
 
 
-class GPipeEvolvedTransformerStack(GPipeTransformerStack,
-                                   layers_with_gpipe.GPipeEvolvedTransformerStack
-                                  ):
+class GPipeEvolvedTransformerStack(
+    GPipeTransformerStack, layers_with_gpipe.GPipeEvolvedTransformerStack):
   """Lingvo's GPipeEvolvedTransformerStack on our pipeline."""
 
 

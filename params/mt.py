@@ -115,7 +115,7 @@ class ReverseTransformer(base_model_params.SingleTaskModelParams):
   VOCAB_SIZE = 16
   SEQ_LEN = 10
   BATCH_SIZE = 32
-  MAX_STEPS = 400
+  MAX_STEPS = 1000
   LEARNING_RATE = 3e-3
   RANDOM_SEED = 1234  # Same initial weights in every run.
 

@@ -4,8 +4,11 @@ Lingvo's GPipeTransformerStack (time-major) and GPipeBatchMajorTransformerStack
 train a few Adam steps in graph mode with packed inputs, label smoothing and
 the softmax loss of their FProp; the checkpoint is converted to our names and
 restored into `lingvo_gpipe.stacks` at another K and M, and converted back
-into Lingvo's stack at another split: outputs, loss and gradients match.
+into Lingvo's stack at another split: outputs, loss and gradients match. The
+evolved stack is checked to build the same variables as Lingvo's.
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -127,6 +130,7 @@ def _Run(params, inputs, restore=None, train_steps=0, save=None):
       for _ in range(train_steps):
         sess.run(train)
       if save:
+        tf.io.gfile.makedirs(os.path.dirname(save))
         tf.compat.v1.train.Saver().save(sess, save)
       values, grad_values = sess.run(
           [dict(xent=xent, logits=logits, loss=loss), grads])
@@ -198,3 +202,39 @@ def testLingvoTrainedCheckpointRestoresIntoOurStackAndBack(kind, tmp_path):
               'softmax': 'cell_1'}
   _AssertSame((back_values, back_grads), (lingvo_values, lingvo_grads),
               to_back)
+
+
+def _EvolvedParams(cls):
+  p = cls.Params().Set(name='stack', model_dim=DIM, num_encoder_layers=1,
+                       num_decoder_layers=1, splits=2)
+  p.encoder_tpl.source_dim = DIM
+  p.decoder_tpl.source_dim = DIM
+  for atten in (p.encoder_tpl.transformer_tpl.tr_atten_tpl,
+                p.decoder_tpl.tr_atten_tpl,
+                p.decoder_tpl.tr_double_heads_atten_tpl,
+                p.decoder_tpl.transformer_tpl.tr_atten_tpl):
+    atten.num_attention_heads = 2
+  p.emb_tpl.token_emb.Set(vocab_size=VOCAB, embedding_dim=DIM)
+  p.emb_tpl.position_emb.Set(embedding_dim=DIM)
+  p.softmax_tpl.Set(input_dim=DIM, num_classes=VOCAB)
+  return p
+
+
+def testEvolvedStackHasLingvosLayersUnderOurNames():
+  """One Params builds Lingvo's evolved stack and ours, variable by variable.
+
+  Built, not run: the pipeline and loss code is the other stacks'.
+  """
+  with tf.Graph().as_default():
+    lingvo = _EvolvedParams(
+        layers_with_gpipe.GPipeEvolvedTransformerStack).Instantiate()
+    ours = _EvolvedParams(stacks.GPipeEvolvedTransformerStack).Instantiate()
+  assert isinstance(ours, layers_with_gpipe.GPipeEvolvedTransformerStack)
+  assert [type(l) for l in ours.GetEncoders() + ours.GetDecoders()] == [
+      layers_with_gpipe.GPipeEvolvedTransformerEncoderLayer,
+      layers_with_gpipe.GPipeEvolvedTransformerDecoderLayer]
+  renames = checkpoints.Renames(
+      ours, [v.name[:-2] for v in lingvo.vars.Flatten()], to='ours')
+  assert sorted(renames.values()) == sorted(
+      v.name[:-2] for v in ours.vars.Flatten())
+  assert len(renames) > 50
