@@ -193,7 +193,8 @@ def testEvalAndDecodeOnHeldOutText(runs, job, prefix, step, min_accuracy):
 @pytest.mark.parametrize('name,message', [
     ('bad_model', "--model='lm.NoSuchModel' is not a registered model; "
                   'registered: image.ShapesResNet, image.ShapesResNetTiny, '
-                  'lm.GPipeCharLm, lm.GPipeCharLmTiny.'),
+                  'lm.GPipeCharLm, lm.GPipeCharLmTiny, mt.ReverseTransformer, '
+                  'mt.ReverseTransformerTiny.'),
     ('bad_value', 'flag --num_devices=0: 0 is not a positive integer'),
     ('too_few_devices', 'task.stack.num_stages=4 needs a model split of at '
                         'least 4 devices; got 2 (--num_devices, --split_size)'),
