@@ -20,6 +20,7 @@ from lingvo.core import py_utils
 from lingvo_gpipe import batchnorm
 from lingvo_gpipe import cells as cells_lib
 from lingvo_gpipe import costs as costs_lib
+from lingvo_gpipe import from_lingvo
 from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.engine import placement
@@ -63,9 +64,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "micro-batch inputs, recompute the rest in the backward pass), "
         "'except_last' (not for the last micro-batch) or 'never'.")
     p.Define(
-        'devices', None, 'K device strings, one per stage. None: the '
-        "Lingvo cluster's model split if it has K devices, else K local "
-        'devices of one type, else the default device.')
+        'devices', None, 'K device strings, one per stage. None: the first '
+        "K devices of the Lingvo cluster's model split if it has at least K "
+        "(stage k on the split's device k, as Lingvo's PipeliningLayer), "
+        'else K local devices of one type, else the default device.')
     p.Define(
         'nested_map_fprop', False, 'If True, cells take and return one '
         'NestedMap instead of positional tensors.')
@@ -77,6 +79,29 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "only) or 'auto' ('loop' when remat='always' and K x M >= "
         f'{schedule.AUTO_LOOP_MIN_CALLS} or on TPU, else \'unrolled\').')
     return p
+
+  @classmethod
+  def FromPipeliningLayer(cls, p):
+    """The GPipeSequentialLayer params of a Lingvo GPipe pipeline.
+
+        p = GPipeSequentialLayer.FromPipeliningLayer(lingvo_stack_params)
+        p.remat = 'except_last'
+
+    See `from_lingvo` for what carries over and what raises.
+
+    Args:
+      p: Params of Lingvo's `gpipe.PipeliningLayer`, or of a subclass such as
+        the stacks of `layers_with_gpipe` (whose cells their `__init__`
+        builds).
+
+    Returns:
+      GPipeSequentialLayer params: the cells' layers in order, partition =
+      layers per Lingvo cell, the same micro-batching and batch_dim.
+
+    Raises:
+      ValueError: for what has no equivalent, naming the parameter.
+    """
+    return from_lingvo.Convert(from_lingvo.BuiltParams(p), cls.Params()).params
 
   def __init__(self, params):
     super().__init__(params)
@@ -241,18 +266,36 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     return batch_size // p.micro_batch_size
 
   def StageDevices(self):
-    """The device of every stage (see `placement.StageDevices`)."""
+    """The device of every stage (see `placement.StageDevices`).
+
+    With devices=None in a Lingvo cluster whose model split has at least K
+    devices, stage k runs on the split's device k, where Lingvo's
+    PipeliningLayer puts its cell k. The first call (and any call that
+    resolves differently, e.g. another replica's split) logs the placement.
+
+    Returns:
+      K device strings; '' is the default device.
+    """
     num_stages = self.num_stages
     if self.params.devices is None and py_utils.use_tpu():
       # Each replica's logical core k, whatever host devices Lingvo's (eager)
       # TPU cluster lists; in graph mode its model split says the same.
       return tpu.TpuStageDevices(num_stages)
-    model_split = None
-    if self.cluster.num_devices_per_split == num_stages:
-      model_split = [
-          self.cluster.WorkerDeviceInModelSplit(k) for k in range(num_stages)
-      ]
-    return placement.StageDevices(num_stages, self.params.devices, model_split)
+    cluster = self.cluster
+    model_split = [
+        cluster.WorkerDeviceInModelSplit(k)
+        for k in range(cluster.num_devices_per_split)
+    ]
+    devices = placement.StageDevices(num_stages, self.params.devices,
+                                     model_split)
+    placement_log = (f'{self.params.name}: stage devices {devices} for '
+                     f'partition {self.partition} (model split of '
+                     f'{len(model_split)} devices)')
+    # A string: tf.Module would wrap a list attribute for tracking.
+    if placement_log != getattr(self, '_placement_log', None):
+      self._placement_log = placement_log
+      logging.info(placement_log)
+    return devices
 
   def Engine(self, num_micro_batches):
     """The engine that builds a step with M micro-batches: unrolled or loop."""

@@ -14,7 +14,10 @@ from lingvo_gpipe import GPipeSequentialLayer
 
 
 class PipelinedTask(base_model.BaseTask):
-  """A Lingvo task whose model is the GPipeSequentialLayer `self.stack`."""
+  """A Lingvo task whose model is the pipeline `self.stack`.
+
+  A GPipeSequentialLayer, or a layer of lingvo_gpipe.stacks.
+  """
 
   @classmethod
   def Params(cls):

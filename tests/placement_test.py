@@ -1,8 +1,11 @@
 """Stage k runs on device k: in the graph (op.device) and in the kernels run."""
 
 import collections
+import contextlib
 import re
+from unittest import mock
 
+from absl import logging
 from absl.testing import flagsaver
 import numpy as np
 import pytest
@@ -16,22 +19,25 @@ import engine_util
 import test_util
 
 
-def _TracedStep(remat, num_micro_batches=2, engine='unrolled'):
-  """One traced training step of 4 FC cells on 4 stages.
+def _TracedStep(remat, num_micro_batches=2, engine='unrolled', num_stages=4,
+                cluster=contextlib.nullcontext()):
+  """One traced training step of 4 FC cells.
 
   Args:
     remat: The remat mode.
     num_micro_batches: M.
     engine: The pipeline engine.
+    num_stages: K.
+    cluster: The Lingvo cluster to build the step in (devices=None).
 
   Returns:
     (graph, step_stats): the graph and the RunMetadata step stats.
   """
-  p = test_util.PipeParams(test_util.FCCells(), num_stages=4,
+  p = test_util.PipeParams(test_util.FCCells(), num_stages=num_stages,
                            num_micro_batches=num_micro_batches, remat=remat,
                            engine=engine)
   graph = tf.Graph()
-  with graph.as_default():
+  with graph.as_default(), cluster:
     py_utils.GetOrCreateGlobalStepVar()
     pipe = p.Instantiate()
     y = pipe.FProp(pipe.theta, tf.constant(np.ones([8, 8], np.float32)))
@@ -91,24 +97,58 @@ def testLoopStageCallsCarryTheirDevices(num_micro_batches):
       for phase in ('forward', 'backward') for k in range(4)}
 
 
+def testTwoStagesOnAFourDeviceSplitRunOnItsFirstTwoDevices():
+  """K=2, devices=None, a Lingvo split of 4: cells 0-1 on CPU:0, 2-3 on CPU:1.
+
+  Without local logical devices (as in a graph-mode Lingvo trainer, whose
+  devices are its session's), only the split can spread the stages.
+  """
+  cluster = cluster_factory.ForTestingWorker(
+      mode='sync', job='trainer_client', cpus=4, split_size=4)
+  with mock.patch.object(placement, 'LocalDevices', return_value=None):
+    _, step_stats = _TracedStep('always', num_stages=2, cluster=cluster)
+  expected = {}
+  for cell in range(4):
+    device = engine_util.CPUS[cell // 2]
+    expected[(cell, device, False)] = 4  # M forwards + M recomputes.
+    expected[(cell, device, True)] = 2  # One weight gradient per micro-batch.
+  assert dict(test_util.FCKernelRuns(step_stats)) == expected
+
+
 def testResolution():
   assert placement.StageDevices(2, explicit=['/a', '/b']) == ['/a', '/b']
   assert placement.StageDevices(2, model_split=['/x', '/y']) == ['/x', '/y']
-  assert placement.StageDevices(1, model_split=['/x', '/y']) == ['']
+  # A split of at least K devices: stage k on its device k (Lingvo's rule).
+  assert placement.StageDevices(1, model_split=['/x', '/y']) == ['/x']
+  assert placement.StageDevices(
+      2, model_split=['/w', '/x', '/y', '/z']) == ['/w', '/x']
+  # Fewer than K: K local devices of one type.
+  assert placement.StageDevices(2, model_split=['/x']) == [
+      f'/device:CPU:{k}' for k in range(2)]
   assert placement.StageDevices(4) == [f'/device:CPU:{k}' for k in range(4)]
   assert placement.StageDevices(8) == [''] * 8  # Only 4 devices: warns.
   with pytest.raises(ValueError, match=r"devices=\['/a'\] must be a list of 2"):
     placement.StageDevices(2, explicit=['/a'])
 
 
-def testLayerUsesLingvoModelSplit():
+@pytest.mark.parametrize('num_stages', [4, 2])
+def testLayerUsesLingvoModelSplit(num_stages):
   cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=4, split_size=4)
   with cluster:
-    pipe = test_util.PipeParams(test_util.FCCells(), num_stages=4).Instantiate()
-    assert pipe.StageDevices() == [
-        cluster.WorkerDeviceInModelSplit(k) for k in range(4)
+    pipe = test_util.PipeParams(test_util.FCCells(),
+                                num_stages=num_stages).Instantiate()
+    with mock.patch.object(logging, 'info') as log:
+      devices = pipe.StageDevices()
+      assert pipe.StageDevices() == devices
+    assert devices == [
+        cluster.WorkerDeviceInModelSplit(k) for k in range(num_stages)
     ]
+    # Logged once, with the plan.
+    assert [call.args[0] for call in log.call_args_list
+            if 'stage devices' in str(call.args[0])] == [
+                f'pipe: stage devices {devices} for partition '
+                f'{pipe.partition} (model split of 4 devices)']
 
 
 def _V38Topology():

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+from unittest import mock
 
 from absl.testing import flagsaver
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 from lingvo import compat as tf
 from lingvo.core import cluster_factory
 
+from lingvo_gpipe.engine import placement
 import engine_util
 import tool_util
 from tools import train
@@ -41,6 +43,9 @@ RUNS = {
                             _LOOP],
     'loop_eager': COMMON + ['--logdir={tmp}/loop_eager', '--max_steps=6',
                             '--use_eager', _LOOP],
+    # A 2-stage model on a 4-device split: stages on the split's CPU:0, 1.
+    'two_stages': COMMON + ['--logdir={tmp}/two_stages', '--max_steps=2',
+                            _TWO_STAGES],
     'bad_model': ['--model=lm.NoSuchModel', '--logdir={tmp}/bad'],
     'bad_value': [f'--model={MODEL}', '--num_devices=0', '--logdir={tmp}/bad'],
     'too_few_devices': [f'--model={MODEL}', '--num_devices=2',
@@ -205,7 +210,8 @@ def testEvalAndDecodeOnHeldOutText(runs, job, prefix, step, min_accuracy):
 @pytest.mark.parametrize('name,message', [
     ('bad_model', "--model='lm.NoSuchModel' is not a registered model; "
                   'registered: image.ShapesResNet, image.ShapesResNetTiny, '
-                  'lm.GPipeCharLm, lm.GPipeCharLmTiny.'),
+                  'lm.GPipeCharLm, lm.GPipeCharLmTiny, mt.ReverseTransformer, '
+                  'mt.ReverseTransformerTiny.'),
     ('bad_value', 'flag --num_devices=0: 0 is not a positive integer'),
     ('too_few_devices', 'task.stack.num_stages=4 needs a model split of at '
                         'least 4 devices; got 2 (--num_devices, --split_size)'),
@@ -218,18 +224,20 @@ def testBadInputIsOneLine(runs, name, message):
   assert 'Traceback' not in stderr and 'trained' not in stdout
 
 
-def _TraceOneLauncherStep(logdir, split_size=None):
+def _TraceOneLauncherStep(logdir, split_size=None, num_stages=None):
   """One training step built like the launcher's trainer, with step stats.
 
   Args:
     logdir: --logdir.
-    split_size: --split_size (None: all 4 devices in one split, 4 stages; 2:
-      two towers of 2 stages).
+    split_size: --split_size (None: all 4 devices in one split; 2: two towers
+      of 2 stages).
+    num_stages: The LM's K (default: the split size, 4 without one).
 
   Returns:
     (RunMetadata, the LM task).
   """
-  override = f'task.stack.num_stages: {split_size}' if split_size else ''
+  num_stages = num_stages or split_size
+  override = f'task.stack.num_stages: {num_stages}' if num_stages else ''
   with flagsaver.flagsaver(model=MODEL, logdir=logdir, split_size=split_size,
                            model_params_override=override,
                            **train.LAUNCHER_DEFAULTS):
@@ -317,3 +325,37 @@ def testTwoReplicasOfTwoStagesRunOnTheirOwnDevices(tmp_path):
         calls[call].add(device)
   assert dict(calls) == {
       (r, k): {2 * r + k} for r in range(2) for k in range(2)}
+
+
+def testTwoStagesOnAFourDeviceSplitAreLogged(runs):
+  """The launcher's log names the split's devices 0 and 1 for the 2 stages."""
+  code, _, stderr = runs['two_stages']
+  assert code == 0, stderr[-3000:]
+  with open(os.path.join(runs['tmp'], 'two_stages', 'train_log.txt')) as f:
+    (placement,) = re.findall(r'stack: stage devices (.*)$', f.read(), re.M)
+  devices = [f'/job:localhost/replica:0/task:0/device:CPU:{k}' for k in (0, 1)]
+  assert placement.startswith(f'{devices} for partition [')
+  assert placement.endswith('] (model split of 4 devices)')
+
+
+def testTwoStagesOnAFourDeviceSplitRunOnCpu0And1(tmp_path):
+  """--num_devices=4, a 2-stage LM: stage k on CPU:k, CPU:2-3 stay idle.
+
+  The launcher's process has one local CPU device outside its session (this
+  test process has 4), so only the model split can place stage 1 on CPU:1.
+  """
+  with mock.patch.object(placement, 'LocalDevices', return_value=None):
+    metadata, task = _TraceOneLauncherStep(str(tmp_path), num_stages=2)
+  assert task.stack.num_stages == 2
+  calls = collections.defaultdict(set)
+  busy = set()
+  for dev in metadata.step_stats.dev_stats:
+    device = int(re.search(r'CPU:(\d+)$', dev.device).group(1))
+    for node in dev.node_stats:
+      if any(re.search(p, node.node_name) for p in _CELL_KERNELS.values()):
+        busy.add(device)
+      call = _StageCall(node)
+      if call:
+        calls[call[1]].add(device)
+  assert dict(calls) == {0: {0}, 1: {1}}
+  assert busy == {0, 1}

@@ -27,6 +27,17 @@ def Fail(prog: str, message: str) -> None:
   sys.exit(2)
 
 
+def CheckRegisteredModel(prog: str, name: str) -> None:
+  """A one-line error unless `name` is a model in Lingvo's registry."""
+  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+  try:
+    model_registry.GetClass(name)
+  except LookupError:
+    known = sorted(model_registry.GetAllRegisteredClasses())
+    Fail(prog, f'--model={name!r} is not a registered model; registered: '
+         f'{", ".join(k for k in known if not k.startswith("test."))}.')
+
+
 def FlagsParser(prog: str) -> Callable[[List[str]], List[str]]:
   """An absl `flags_parser` that turns a bad flag into a one-line error."""
 

@@ -52,6 +52,7 @@ from lingvo.core import py_utils
 
 import lingvo_gpipe
 from lingvo_gpipe import GPipeSequentialLayer
+from lingvo_gpipe import stacks
 import params  # Registers the models.
 from tools import cli
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -244,7 +245,17 @@ def CheckStagesFitDevices(task_params, num_devices):
         Visit(f'{path}[{i}]', item)
     if not isinstance(p, hyperparams.Params):
       return
-    if (getattr(p, 'cls', None) is GPipeSequentialLayer and
+    cls = getattr(p, 'cls', None)
+    if isinstance(cls, type) and issubclass(cls, stacks.PipeliningLayer):
+      num_stages = GPipeSequentialLayer.FromPipeliningLayer(p).num_stages
+      if num_stages > num_devices:
+        raise ValueError(
+            f'{path} has {num_stages} stages (its splits or cell_tpl) and needs'
+            f' a model split of at least {num_stages} devices; got '
+            f'{num_devices} (--num_devices, --split_size). Pass '
+            f'--num_devices={num_stages} or fewer {path}.splits.')
+      return  # Its pipeline_tpl is a template of knobs, not a pipeline.
+    if (cls is GPipeSequentialLayer and p.num_stages is not None and
         p.num_stages > num_devices):
       raise ValueError(
           f'{path}.num_stages={p.num_stages} needs a model split of at least '
@@ -264,13 +275,7 @@ def _CheckModel(name, num_devices):
     name: --model.
     num_devices: --num_devices, or None to skip the fit check.
   """
-  try:
-    model_registry.GetClass(name)
-  except LookupError:
-    known = sorted(model_registry.GetAllRegisteredClasses())
-    cli.Fail(
-        PROG, f'--model={name!r} is not a registered model; registered: '
-        f'{", ".join(k for k in known if not k.startswith("test."))}.')
+  cli.CheckRegisteredModel(PROG, name)
   if num_devices is None:
     return
   try:

@@ -4,7 +4,8 @@ Lingvo-free: the layer passes in what it knows about the Lingvo cluster. The
 rules of `StageDevices`, first match wins:
 
 1. explicit devices (one per stage);
-2. the model split's devices when it has exactly K of them (Lingvo cluster);
+2. the model split's first K devices when it has at least K (Lingvo
+   cluster): stage k on the split's device k, as Lingvo's PipeliningLayer;
 3. one stage: the default device (placement left to TensorFlow);
 4. the first K local logical devices of one type (GPU, then CPU);
 5. otherwise the default device for every stage, with a warning.
@@ -51,7 +52,8 @@ def StageDevices(num_stages: int,
     num_stages: K.
     explicit: The user's device list, or None.
     model_split: The devices of the Lingvo model split (or any cluster notion
-      of "the devices of one model replica"), or None.
+      of "the devices of one model replica"), or None. Used when it has at
+      least K devices: stage k runs on model_split[k].
 
   Returns:
     K device strings; '' means the default device.
@@ -62,8 +64,8 @@ def StageDevices(num_stages: int,
   CheckDevices(explicit, num_stages)
   if explicit is not None:
     return list(explicit)
-  if model_split is not None and len(model_split) == num_stages:
-    return list(model_split)
+  if model_split is not None and len(model_split) >= num_stages:
+    return list(model_split[:num_stages])
   if num_stages == 1:
     return ['']
   local = LocalDevices(num_stages)
