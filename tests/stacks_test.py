@@ -185,6 +185,14 @@ def testLingvoTrainedCheckpointRestoresIntoOurStackAndBack(kind, tmp_path):
     assert new == (f'stack/{old.split("/", 1)[1]}'
                    if old.startswith('cell_') else old)
   _AssertSame((values, grads), (lingvo_values, lingvo_grads), converted)
+  # The same through the loop engine (Lingvo's flat cells: many inputs,
+  # None among them, time-major or batch-major).
+  loop_params = params_fn(ours_cls, [0, 1, 2], 4)
+  loop_params.pipeline_tpl.engine = 'loop'
+  _, loop_values, loop_grads = _Run(
+      loop_params, inputs, restore=lambda _: str(tmp_path / 'ours' / 'ckpt-3'))
+  _AssertSame((loop_values, loop_grads), (lingvo_values, lingvo_grads),
+              converted)
 
   # Back to Lingvo's names at another split, [0, 2]: emb | the rest.
   with tf.Graph().as_default():
