@@ -59,11 +59,22 @@ def testTransformerTransparentBatchDim1(k, m, engine):
   engine_util.AssertTransparent(pipe, ref)
 
 
-@pytest.mark.parametrize('engine,remat', [('unrolled', 'always'),
-                                          ('unrolled', 'never'),
-                                          ('loop', 'always')])
-def testEmbeddingGradientsAreSparseAndExact(engine, remat):
-  """An embedding cell's gradient (IndexedSlices) sums over micro-batches."""
+@pytest.mark.parametrize('engine,remat,sparse', [('unrolled', 'always', True),
+                                                 ('unrolled', 'never', True),
+                                                 ('loop', 'always', False)])
+def testEmbeddingGradientsAreExactAndSparseInTheUnrolledEngine(engine, remat,
+                                                               sparse):
+  """An embedding cell's gradient sums over micro-batches, exactly.
+
+  The unrolled engine keeps it sparse (IndexedSlices holding one row per id
+  looked up in any micro-batch), so an optimizer updates only those rows; the
+  loop engine sums weight gradients densely (engine/loop.py).
+
+  Args:
+    engine: The engine.
+    remat: The remat mode.
+    sparse: Whether the embedding gradient must be IndexedSlices.
+  """
 
   def Cells():
     return lm.CharLmCells(num_layers=1, dim=8, num_heads=2, hidden_dim=8)
@@ -71,8 +82,14 @@ def testEmbeddingGradientsAreSparseAndExact(engine, remat):
   ids = RNG.randint(0, lm.VOCAB_SIZE, size=[5, 8]).astype(np.int32)
   p = test_util.PipeParams(Cells(), num_stages=3, num_micro_batches=4,
                            batch_dim=1, remat=remat, engine=engine)
-  pipe, ref, _ = test_util.RunGraph(p, Cells, [ids, TR_PADDINGS])
+  pipe, ref, sparse_grads = test_util.RunGraph(p, Cells, [ids, TR_PADDINGS])
   engine_util.AssertTransparent(pipe, ref)
+  if not sparse:
+    assert not sparse_grads
+    return
+  ((name, indices),) = sparse_grads.items()
+  assert name.startswith('pipe/embedding/emb/'), name
+  np.testing.assert_array_equal(np.sort(indices), np.sort(ids.ravel()))
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (2, 4), (4, 8)])
