@@ -16,43 +16,8 @@ import engine_util
 import test_util
 
 
-def _TracedStep(remat, num_micro_batches=2, engine='unrolled'):
-  """One traced training step of 4 FC cells on 4 stages.
-
-  Args:
-    remat: The remat mode.
-    num_micro_batches: M.
-    engine: The pipeline engine.
-
-  Returns:
-    (graph, step_stats): the graph and the RunMetadata step stats.
-  """
-  p = test_util.PipeParams(test_util.FCCells(), num_stages=4,
-                           num_micro_batches=num_micro_batches, remat=remat,
-                           engine=engine)
-  graph = tf.Graph()
-  with graph.as_default():
-    py_utils.GetOrCreateGlobalStepVar()
-    pipe = p.Instantiate()
-    y = pipe.FProp(pipe.theta, tf.constant(np.ones([8, 8], np.float32)))
-    # Without recompute the gradient of a stage call is TensorFlow's own;
-    # Lingvo's trainer colocates gradients with their ops, so do we here.
-    grads = tf.compat.v1.gradients(
-        tf.reduce_sum(y * y), pipe.vars.Flatten(),
-        colocate_gradients_with_ops=remat != 'always')
-    with tf.compat.v1.Session(
-        graph=graph, config=engine_util.SessionConfig()) as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      metadata = tf.compat.v1.RunMetadata()
-      sess.run(grads,
-               options=tf.compat.v1.RunOptions(
-                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-               run_metadata=metadata)
-  return graph, metadata.step_stats
-
-
 def testStageCallsArePlacedOnTheirDevices():
-  graph, _ = _TracedStep('always')
+  graph, _ = test_util.TracedFCStep('always')
   devices = collections.defaultdict(set)
   for op in graph.get_operations():
     if op.type in ('StatefulPartitionedCall', 'PartitionedCall'):
@@ -67,7 +32,7 @@ def testStageCallsArePlacedOnTheirDevices():
 def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
   """Cell k's kernels ran on CPU:k; with remat each forward ran twice."""
   with engine_util.ObservableLoops(engine):
-    _, step_stats = _TracedStep(remat, engine=engine)
+    _, step_stats = test_util.TracedFCStep(remat, engine=engine)
   expected = {}
   for k, device in enumerate(engine_util.CPUS):
     expected[(k, device, False)] = forward_runs  # M forwards (+ M recomputes).
@@ -77,7 +42,7 @@ def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
 
 def testLoopStageCallsCarryTheirDevices():
   """The loops as they normally run hold each stage's calls on its device."""
-  graph, _ = _TracedStep('always', engine='loop')
+  graph, _ = test_util.TracedFCStep('always', engine='loop')
   assert engine_util.LoopCallDevices(graph) == {
       (phase, k): {f'/device:CPU:{k}'}
       for phase in ('forward', 'backward') for k in range(4)}

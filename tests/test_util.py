@@ -3,6 +3,7 @@
 import collections
 import re
 
+import numpy as np
 from lingvo import compat as tf
 from lingvo.core import builder_layers
 from lingvo.core import layers
@@ -142,3 +143,38 @@ def RunFunction(pipe_params, cell_fn, inputs, jit_compile=False):
     return results
 
   return [[t.numpy() for t in r] for r in Step()]
+
+
+def TracedFCStep(remat, num_micro_batches=2, engine='unrolled'):
+  """One traced training step (gradients) of FCCells() on 4 stages.
+
+  Args:
+    remat: The remat mode.
+    num_micro_batches: M.
+    engine: The pipeline engine.
+
+  Returns:
+    (graph, step_stats): the graph and the RunMetadata step stats.
+  """
+  p = PipeParams(FCCells(), num_stages=4,
+                 num_micro_batches=num_micro_batches, remat=remat,
+                 engine=engine)
+  graph = tf.Graph()
+  with graph.as_default():
+    py_utils.GetOrCreateGlobalStepVar()
+    pipe = p.Instantiate()
+    y = pipe.FProp(pipe.theta, tf.constant(np.ones([8, 8], np.float32)))
+    # Without recompute the gradient of a stage call is TensorFlow's own;
+    # Lingvo's trainer colocates gradients with their ops, so do we here.
+    grads = tf.compat.v1.gradients(
+        tf.reduce_sum(y * y), pipe.vars.Flatten(),
+        colocate_gradients_with_ops=remat != 'always')
+    with tf.compat.v1.Session(
+        graph=graph, config=engine_util.SessionConfig()) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      metadata = tf.compat.v1.RunMetadata()
+      sess.run(grads,
+               options=tf.compat.v1.RunOptions(
+                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+               run_metadata=metadata)
+  return graph, metadata.step_stats
