@@ -58,6 +58,7 @@ def runs(tmp_path_factory):
       timeout=600)
 
 
+@pytest.mark.slow
 def testMemoryEndToEnd(runs):
   code, stdout, stderr = runs['tiny']
   assert code == 0, stderr
@@ -92,6 +93,7 @@ def testMemoryEndToEnd(runs):
   assert f'{numbers["subprocesses"]} subprocesses' in stdout
 
 
+@pytest.mark.slow
 def testSpeedEndToEnd(runs):
   code, stdout, stderr = runs['speed']
   assert code == 0, stderr
@@ -128,6 +130,7 @@ def testSpeedEndToEnd(runs):
     assert len(m['runs']) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, message', [
     ('bad_subcommand', "subcommand 'speedy' is not valid; use one of "
      "['memory', 'speed']"),

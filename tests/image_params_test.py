@@ -151,6 +151,7 @@ def trained(tmp_path_factory):
   return result
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_with_decreasing_loss(trained):
   """A Lingvo train_op of the K=4, M=4 tiny model fits its one batch."""
   losses = trained.losses
@@ -160,6 +161,7 @@ def test_tiny_model_trains_with_decreasing_loss(trained):
   assert trained.partition == [1, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_stage_k_runs_on_cpu_k(trained):
   """Stage calls are placed on CPU:k, and cell k's kernels ran there.
 
@@ -196,6 +198,7 @@ def test_stage_k_runs_on_cpu_k(trained):
   assert stem_runs['Conv2DBackpropFilter'] == 4
 
 
+@pytest.mark.slow
 def test_moving_stats_after_one_step_match_one_stage(trained):
   """Batch norm moving statistics do not depend on the pipeline's shape.
 
@@ -225,6 +228,7 @@ def test_moving_stats_after_one_step_match_one_stage(trained):
     assert engine_util.RelErr(variance, expected_variance) < 1e-5
 
 
+@pytest.mark.slow
 def test_dev_eval_uses_the_moving_stats(trained):
   """Eval of the trained checkpoint on the dev set reads the moving stats.
 
