@@ -3,9 +3,11 @@
 tools/benchmark.py runs as a subprocess like a user would: one tiny
 end-to-end `memory` run and one tiny `speed` run (each configuration and
 budget probe is a worker process importing TensorFlow, several seconds each)
-plus error cases that fail before any measurement. No timing or memory values
-are asserted. The largest-model search (`benchmarks.memory`) is tested
-in-process on synthetic memory curves.
+plus error cases that fail before any measurement. Times are not compared
+with bounds; the tables' ratios and rates are checked against the measured
+numbers, and re-materialization against no re-materialization in memory.
+The largest-model search (`benchmarks.memory`) is tested in-process on
+synthetic memory curves.
 """
 
 import json
@@ -70,17 +72,26 @@ def testMemoryEndToEnd(runs):
   assert numbers['subcommand'] == 'memory'
   assert numbers['tf_version'].startswith('2.')
   assert numbers['flags']['num_layers'] == 4
-  names = [row['name'] for row in numbers['rows']]
-  assert names == [
+  rows = {row['name']: row for row in numbers['rows']}
+  assert list(rows) == [
       'plain', 'gpipe K=1 M=2 always', 'gpipe K=1 M=2 except_last',
       'gpipe K=1 M=2 never'
   ]
-  for row in numbers['rows']:
+  plain = rows['plain']
+  # 4 layers of 4096 x 64 floats (1 MiB each): the plain step holds them all.
+  assert plain['peak_mib'] > 4
+  for row in rows.values():
     assert row['name'] in stdout
-    assert row['peak_mib'] > 0 and row['step_s'] > 0, row
-    assert row['peak_ratio'] > 0 and row['step_ratio'] > 0, row
+    assert row['step_s'] > 0, row
+    # The ratios in the table are those of the measured numbers.
+    assert row['peak_ratio'] == pytest.approx(row['peak_mib'] /
+                                              plain['peak_mib'])
+    assert row['step_ratio'] == pytest.approx(row['step_s'] / plain['step_s'])
     assert row['num_params'] == 4 * (64 * 64 + 64)
     assert len(row['runs']) == 1
+  # Re-materialization keeps one micro-batch's activations, not two.
+  assert (rows['gpipe K=1 M=2 always']['peak_mib'] <
+          rows['gpipe K=1 M=2 never']['peak_mib']), rows
   budget = numbers['budget']
   assert budget['budget_mib'] == 100
   assert budget['layer_ratio'] == 1 and budget['param_ratio'] == 1
@@ -89,7 +100,9 @@ def testMemoryEndToEnd(runs):
     assert result['num_layers'] == 5 and result['capped'], result
     assert result['num_params'] == 5 * (64 * 64 + 64)
     assert set(result['probes']) == {'4', '5'}, result
-    assert result['probe_runs']['5']['peak_mib'] > 0
+    # The answer's measured peak is within the budget.
+    assert 0 < result['probes']['5'] <= budget['budget_mib'], result
+    assert result['probes']['5'] == result['probe_runs']['5']['peak_mib']
   assert f'{numbers["subprocesses"]} subprocesses' in stdout
 
 
@@ -111,11 +124,18 @@ def testSpeedEndToEnd(runs):
   assert numbers['subprocesses'] == 8
   measured = [numbers['plain'], numbers['gpipe_never']]
   for row in numbers['rows']:
-    for key in ('step_ratio_lingvo', 'step_ratio_plain', 'build_ratio_lingvo'):
-      assert row[key] > 0, row
+    # The ratios and rates in the table are those of the measured times.
+    gpipe, lingvo = row['gpipe'], row['lingvo']
+    assert row['step_ratio_lingvo'] == pytest.approx(gpipe['step_s'] /
+                                                     lingvo['step_s'])
+    assert row['step_ratio_plain'] == pytest.approx(
+        gpipe['step_s'] / numbers['plain']['step_s'])
+    assert row['build_ratio_lingvo'] == pytest.approx(gpipe['build_s'] /
+                                                      lingvo['build_s'])
     for variant in ('gpipe', 'lingvo', 'gpipe_function'):
       measured.append(row[variant])
-      assert row['examples_per_s'][variant] > 0, row
+      assert row['examples_per_s'][variant] == pytest.approx(
+          16 / row[variant]['step_s'])  # --batch=16.
   assert [m['name'] for m in measured] == [
       'plain', 'gpipe K=1 M=1 never', 'gpipe K=1 M=2 always', 'lingvo K=1 M=2',
       'gpipe tf.function K=1 M=2 always', 'gpipe K=2 M=2 always',
