@@ -296,7 +296,8 @@ def _LauncherParams(logdir, use_eager=False, split_size=None):
 
   Args:
     logdir: --logdir.
-    use_eager: --use_eager (Lingvo's eager mode while inside).
+    use_eager: --use_eager (Lingvo's eager mode flag while inside; the test
+      process runs TensorFlow eagerly, with graphs where a test builds one).
     split_size: --split_size (None: all 4 devices in one split, 4 stages; 2:
       two towers of 2 stages).
 
@@ -311,11 +312,13 @@ def _LauncherParams(logdir, use_eager=False, split_size=None):
                            **train.LAUNCHER_DEFAULTS):
     manager = train.LocalDevicesRunnerManager(MODEL)
     manager.MaybeConfigRunLocally()
-    py_utils.SetEagerMode(use_eager)
+    # Lingvo's flag only: the launcher's SetEagerMode would also switch
+    # TensorFlow's eager execution for the rest of the process.
+    py_utils.SetEagerMode(use_eager, test_mode=True)
     try:
       yield manager.GetParamsForDataset('trainer_client', 'Train')
     finally:
-      py_utils.SetEagerMode(eager)
+      py_utils.SetEagerMode(eager, test_mode=True)
 
 
 def _TraceOneLauncherStep(logdir, split_size=None):
