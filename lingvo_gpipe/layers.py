@@ -220,10 +220,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       if x is None:
         shapes.append(None)
         continue
-      shape = x.shape.as_list()
-      if None in shape:
+      if not x.shape.is_fully_defined():
         raise ValueError(f'partition={p.partition!r} needs static input '
                          f'shapes, got {x.shape}.')
+      shape = x.shape.as_list()
       shape[p.batch_dim] //= num_micro
       shapes.append(shape)
     self._Partition(

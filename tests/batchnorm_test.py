@@ -7,12 +7,14 @@ from `FindRelevantBatchNormUpdates`, then `PostTrainingStepUpdate`, as
 numbers.
 """
 
+import logging
+
 from absl.testing import flagsaver
 import numpy as np
 import pytest
 from lingvo import compat as tf
 from lingvo.core import base_input_generator
-from lingvo.core import base_layer
+from lingvo.core import builder_layers
 from lingvo.core import base_model
 from lingvo.core import bn_layers
 from lingvo.core import cluster_factory
@@ -20,6 +22,7 @@ from lingvo.core import layers
 from lingvo.core import py_utils
 
 from lingvo_gpipe import batchnorm
+from lingvo_gpipe import layers as layers_lib
 import engine_util
 import test_util
 
@@ -256,16 +259,33 @@ def test_eval_uses_moving_stats(engine):
 
 
 def test_eval_traced_twice_in_tf_function(engine):
-  """Lingvo's eager evaler traces eval FProp twice; no tensor may leak."""
+  """Lingvo's eager evaler traces eval FProp twice; no tensor may leak.
+
+  A tensor of the first trace kept by the layer (e.g. an accumulator value)
+  would fail the second trace; both traces must give the cells' own eval
+  output, normalized with the (non-trivial) moving statistics.
+
+  Args:
+    engine: The pipeline engine.
+  """
   p = test_util.PipeParams(_Cells(batchnorm.BatchNormLayer), num_stages=2,
                            num_micro_batches=2, engine=engine)
   p.is_inference = True
+  rng = np.random.RandomState(0)
   with cluster_factory.SetEval(True):
     pipe = p.Instantiate()
-    x = tf.constant(_Inputs(np.random.RandomState(0)))
+    for bn in _BatchNorms(pipe):
+      bn.vars.moving_mean.assign(rng.randn(DIM).astype(np.float32))
+      bn.vars.moving_variance.assign(
+          rng.uniform(0.5, 2.0, DIM).astype(np.float32))
+    x = tf.constant(_Inputs(rng))
     outputs = [tf.function(lambda: pipe.FProp(pipe.theta, x))()
                for _ in range(2)]
-  np.testing.assert_array_equal(outputs[0].numpy(), outputs[1].numpy())
+    expected = x
+    for name in ('fc0', 'bn0', 'fc1', 'bn1'):
+      expected = pipe.children[name].FProp(pipe.theta[name], expected)
+  for y in outputs:
+    engine_util.AssertTransparent([y.numpy()], [expected.numpy()])
 
 
 def _PaddedInputs(rng, num_micro, batch=8, time=5):
@@ -370,4 +390,34 @@ def test_post_step_resets_and_bad_param():
                                               accumulate_stats='yes')
     with pytest.raises(ValueError, match='accumulate_stats'):
       p.Instantiate()
-  assert issubclass(batchnorm.BatchNormLayer, base_layer.BaseLayer)
+
+
+def test_pipeline_marks_ours_and_warns_once_per_lingvo_batch_norm(caplog):
+  """Ours, at any depth, accumulate; each plain Lingvo one gets one warning.
+
+  Our layer subclasses Lingvo's, so the pipeline must recognize it first:
+  otherwise it would warn about it and leave it updating per micro-batch.
+
+  Args:
+    caplog: pytest's log capture.
+  """
+  nested = builder_layers.SequentialLayer.Params().Set(
+      name='block', sub=_Cells(bn_layers.BatchNormLayer)[:2] +
+      _Cells(batchnorm.BatchNormLayer)[2:])
+  cells = [nested] + _Cells(batchnorm.BatchNormLayer)[2:] + [
+      bn_layers.BatchNormLayer.Params().Set(name='plain', dim=DIM)]
+  with tf.Graph().as_default(), caplog.at_level(logging.WARNING):
+    pipe = test_util.PipeParams(cells, num_stages=2).Instantiate()
+  warnings = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and
+              r.pathname == layers_lib.__file__]
+  assert len(warnings) == 2, warnings
+  for path, message in zip(['pipe.block.bn0', 'pipe.plain'], sorted(warnings)):
+    assert message.startswith(f'pipe: {path} is a Lingvo BatchNormLayer;')
+    assert message.endswith('Use lingvo_gpipe.BatchNormLayer instead.')
+  ours = [pipe.children.block.children.bn1, pipe.children.bn1]
+  assert [bn.AccumulatesStats() for bn in ours] == [True, True]
+  # Outside a pipeline ours keeps Lingvo's per-call update.
+  with tf.Graph().as_default():
+    alone = _Cells(batchnorm.BatchNormLayer)[1].Instantiate()
+  assert not alone.AccumulatesStats()

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from glibc_compat import __main__ as glibc_main
 from glibc_compat import elf
 from glibc_compat import host
 from glibc_compat import patcher
@@ -97,10 +98,15 @@ def testXOpsVersionNeeds():
 
 
 def testXOpsIsLoadableOnThisHost():
-  """Host provides every non-weak need; weak ones are covered by the shim."""
+  """Host provides every non-weak need; weak ones are covered by the shim.
+
+  On a host with glibc >= 2.38 (e.g. Debian 13) nothing is missing and
+  nothing was patched; the patching itself runs on every host in
+  testMainRepairsAndRestoresAVenv.
+  """
   path = str(_OpsDir() / 'x_ops.so')
   report = patcher.AnalyzeLibrary(path, host.HostVersions())
-  if host.VersionKey(host.GlibcVersion()) >= (2, 38):  # E.g. Debian 13.
+  if host.VersionKey(host.GlibcVersion()) >= (2, 38):
     assert not report.missing, report
     assert patcher.SHIM_NAME not in elf.ElfFile.FromPath(path).Needed()
     return
@@ -128,6 +134,7 @@ def testXOpsIsLoadableOnThisHost():
   assert strtol(b'ff', None, 16) == 255
 
 
+@pytest.mark.slow
 def testRepairAgainChangesNothing():
   """`make setup` runs the repair on every rebuild: a second run is a no-op."""
   libraries = patcher.ListLibraries(str(_OpsDir().parent.parent))
@@ -139,6 +146,7 @@ def testRepairAgainChangesNothing():
   assert {p: pathlib.Path(p).read_bytes() for p in libraries} == before
 
 
+@pytest.mark.slow
 def testRepairIsANoOpWhenTheHostHasEveryVersion(monkeypatch):
   """What a glibc >= 2.38 host (e.g. Debian 13) sees: nothing to patch."""
 
@@ -153,6 +161,115 @@ def testRepairIsANoOpWhenTheHostHasEveryVersion(monkeypatch):
   message = patcher.Repair(sys.prefix)
   assert message == (f'glibc_compat: lingvo ops load on this host (glibc '
                      f'{host.GlibcVersion()}); nothing to do')
+
+
+def _OldHostVersions():
+  """HostVersions of a host without the three versions lingvo's ops need."""
+
+  class OldHost(host.HostVersions):
+
+    def Provides(self, soname, machine):
+      versions = super().Provides(soname, machine)
+      return None if versions is None else versions - {
+          'GLIBC_2.38', 'GLIBCXX_3.4.32', 'CXXABI_1.3.15'}
+
+  return OldHost
+
+
+def _VenvWithOriginalLingvoOps(venv):
+  """A venv whose lingvo has the ops as shipped, before any repair.
+
+  Its lingvo package mirrors this interpreter's: symbolic links to every file
+  except the shared objects, which are copies of the originals (the backups
+  of an earlier repair, if any). Its bin/python runs this interpreter with
+  that lingvo first on the path, so the repair's own check imports it.
+
+  Args:
+    venv: A pathlib.Path to create the venv at.
+
+  Returns:
+    {path of a shared object in the venv: its original bytes}.
+  """
+  site = venv / 'lib' / 'python3.11' / 'site-packages'
+  source = _OpsDir().parent.parent
+  originals = {}
+  for root, _, files in os.walk(source):
+    target_dir = site / 'lingvo' / os.path.relpath(root, source)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    for name in files:
+      path = pathlib.Path(root) / name
+      if name == patcher.SHIM_NAME or name.endswith(patcher.BACKUP_SUFFIX):
+        continue
+      if not name.endswith('.so'):
+        (target_dir / name).symlink_to(path)
+        continue
+      backup = pathlib.Path(str(path) + patcher.BACKUP_SUFFIX)
+      data = (backup if backup.exists() else path).read_bytes()
+      (target_dir / name).write_bytes(data)
+      originals[str(target_dir / name)] = data
+  python = venv / 'bin' / 'python'
+  python.parent.mkdir()
+  python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+  python.chmod(0o755)
+  return originals
+
+
+@pytest.mark.slow
+def testMainRepairsAndRestoresAVenv(tmp_path, monkeypatch, capsys):
+  """`python -m glibc_compat --venv V` patches V's lingvo; --restore undoes it.
+
+  Runs on a copy of lingvo's original ops, on any host: the host is made to
+  lack the three versions (on glibc < 2.38 it does anyway); the repair's
+  check imports the copy and runs an op of the patched x_ops.so.
+
+  Args:
+    tmp_path: pytest's scratch folder.
+    monkeypatch: pytest's, for the host's versions.
+    capsys: pytest's output capture.
+  """
+  monkeypatch.setattr(host, 'HostVersions', _OldHostVersions())
+  venv = tmp_path / 'venv'
+  originals = _VenvWithOriginalLingvoOps(venv)
+  lingvo_dir = venv / 'lib' / 'python3.11' / 'site-packages' / 'lingvo'
+  patched = ['core/ops/x_ops.so', 'tasks/car/ops/car_ops.so']
+
+  assert glibc_main.Main(['--venv', str(venv)]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f'glibc_compat: patched 2 libraries '
+                        f'({", ".join(patched)}) (missing: CXXABI_1.3.15, '
+                        'GLIBC_2.38, GLIBCXX_3.4.32; shimmed: '), out
+  assert out.endswith('); lingvo imports\n'), out
+  for name in patched:
+    path = lingvo_dir / name
+    assert patcher.SHIM_NAME in elf.ElfFile.FromPath(str(path)).Needed()
+    assert (path.parent / patcher.SHIM_NAME).exists()
+    backup = pathlib.Path(str(path) + patcher.BACKUP_SUFFIX)
+    assert backup.read_bytes() == originals[str(path)]
+  changed = {p for p, data in originals.items()
+             if pathlib.Path(p).read_bytes() != data}
+  assert changed == {str(lingvo_dir / name) for name in patched}
+
+  assert glibc_main.Main(['--venv', str(venv)]) == 0
+  assert capsys.readouterr().out.startswith(
+      'glibc_compat: already patched (2 libraries, missing: CXXABI_1.3.15, '
+      'GLIBC_2.38, GLIBCXX_3.4.32); lingvo imports')
+
+  assert glibc_main.Main(['--venv', str(venv), '--restore']) == 0
+  assert capsys.readouterr().out == (
+      f'glibc_compat: restored 2 original libraries in {lingvo_dir}\n')
+  for path, data in originals.items():
+    assert pathlib.Path(path).read_bytes() == data, path
+  leftovers = [p for p in lingvo_dir.rglob('*')
+               if p.name == patcher.SHIM_NAME or
+               p.name.endswith(patcher.BACKUP_SUFFIX)]
+  assert not leftovers
+
+
+def testMainFailsInOneLineWithoutAVenv(tmp_path, capsys):
+  """A folder that is not a venv: exit status 1 and one line on stderr."""
+  assert glibc_main.Main(['--venv', str(tmp_path)]) == 1
+  assert capsys.readouterr().err == (
+      f'glibc_compat: no python found in {tmp_path}/bin\n')
 
 
 def testWeakenVersionsIsIdempotent(tmp_path):

@@ -35,6 +35,7 @@ def _LoadedAfterImport(modules):
   return set(out.split())
 
 
+@pytest.mark.slow
 def testPlanningImportsNeitherTensorFlowNorLingvo():
   modules = _Modules(planning) + ['lingvo_gpipe.partition']
   assert len(modules) >= 6
@@ -43,6 +44,7 @@ def testPlanningImportsNeitherTensorFlowNorLingvo():
   assert not loaded & {'tensorflow', 'lingvo', 'keras'}, loaded
 
 
+@pytest.mark.slow
 def testEngineImportsNoLingvo():
   modules = _Modules(engine)
   assert len(modules) >= 7
@@ -51,6 +53,7 @@ def testEngineImportsNoLingvo():
   assert 'lingvo' not in loaded, loaded
 
 
+@pytest.mark.slow
 def testPackageImportLoadsNeither():
   loaded = _LoadedAfterImport(['lingvo_gpipe'])
   assert not loaded & {'tensorflow', 'lingvo'}, loaded

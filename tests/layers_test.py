@@ -1,5 +1,8 @@
 """GPipeSequentialLayer: transparency, variable names, structure, errors."""
 
+import logging
+import re
+
 import numpy as np
 import pytest
 from lingvo import compat as tf
@@ -7,6 +10,7 @@ from lingvo.core import base_layer
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
+from lingvo_gpipe import layers as layers_lib
 from params import lm
 import engine_util
 import test_util
@@ -48,22 +52,43 @@ def testConvTransparentInGraph(k, m, engine):
   engine_util.AssertTransparent(pipe, ref)
 
 
-@pytest.mark.parametrize('k,m', [(2, 2), (4, 4)])
-def testTransformerTransparentBatchDim1(k, m, engine):
-  p = test_util.PipeParams(test_util.TransformerCells(), num_stages=k,
-                           num_micro_batches=m, batch_dim=1, engine=engine)
+@pytest.mark.parametrize('function', [False, True])
+def testTransformerTransparentBatchDim1(function, engine):
+  """Transformer cells, time-major inputs (batch_dim=1) with paddings.
+
+  At K = M = 4 in a TF1 graph and in tf.function (each run builds the Lingvo
+  layers twice: about 5 s; the FC grid covers the other K and M).
+
+  Args:
+    function: Whether to run in tf.function instead of a graph.
+    engine: The pipeline engine.
+  """
+  p = test_util.PipeParams(test_util.TransformerCells(), num_stages=4,
+                           num_micro_batches=4, batch_dim=1, engine=engine)
   inputs = [TR_VECS, TR_PADDINGS]
-  pipe, ref, _ = test_util.RunGraph(p, test_util.TransformerCells, inputs)
-  engine_util.AssertTransparent(pipe, ref)
-  pipe, ref = test_util.RunFunction(p, test_util.TransformerCells, inputs)
+  if function:
+    pipe, ref = test_util.RunFunction(p, test_util.TransformerCells, inputs)
+  else:
+    pipe, ref, _ = test_util.RunGraph(p, test_util.TransformerCells, inputs)
   engine_util.AssertTransparent(pipe, ref)
 
 
-@pytest.mark.parametrize('engine,remat', [('unrolled', 'always'),
-                                          ('unrolled', 'never'),
-                                          ('loop', 'always')])
-def testEmbeddingGradientsAreSparseAndExact(engine, remat):
-  """An embedding cell's gradient (IndexedSlices) sums over micro-batches."""
+@pytest.mark.parametrize('engine,remat,sparse', [('unrolled', 'always', True),
+                                                 ('unrolled', 'never', True),
+                                                 ('loop', 'always', False)])
+def testEmbeddingGradientsAreExactAndSparseInTheUnrolledEngine(engine, remat,
+                                                               sparse):
+  """An embedding cell's gradient sums over micro-batches, exactly.
+
+  The unrolled engine keeps it sparse (IndexedSlices holding one row per id
+  looked up in any micro-batch), so an optimizer updates only those rows; the
+  loop engine sums weight gradients densely (engine/loop.py).
+
+  Args:
+    engine: The engine.
+    remat: The remat mode.
+    sparse: Whether the embedding gradient must be IndexedSlices.
+  """
 
   def Cells():
     return lm.CharLmCells(num_layers=1, dim=8, num_heads=2, hidden_dim=8)
@@ -71,8 +96,14 @@ def testEmbeddingGradientsAreSparseAndExact(engine, remat):
   ids = RNG.randint(0, lm.VOCAB_SIZE, size=[5, 8]).astype(np.int32)
   p = test_util.PipeParams(Cells(), num_stages=3, num_micro_batches=4,
                            batch_dim=1, remat=remat, engine=engine)
-  pipe, ref, _ = test_util.RunGraph(p, Cells, [ids, TR_PADDINGS])
+  pipe, ref, sparse_grads = test_util.RunGraph(p, Cells, [ids, TR_PADDINGS])
   engine_util.AssertTransparent(pipe, ref)
+  if not sparse:
+    assert not sparse_grads
+    return
+  ((name, indices),) = sparse_grads.items()
+  assert name.startswith('pipe/embedding/emb/'), name
+  np.testing.assert_array_equal(np.sort(indices), np.sort(ids.ravel()))
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (2, 4), (4, 8)])
@@ -186,6 +217,85 @@ def testEvalUsesTheSameStagesWithoutRecompute(engine):
   engine_util.AssertTransparent([y], [y_ref])
 
 
+class BatchRecordingCell(base_layer.BaseLayer):
+  """The identity; records the static batch size of every trace."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.batch_sizes = []
+
+  def FProp(self, theta, x):
+    self.batch_sizes.append(x.shape[0])
+    return x
+
+
+@pytest.mark.parametrize('do_eval,k,micro_batch', [(True, 1, 16),
+                                                   (True, 2, 4),
+                                                   (False, 1, 4)])
+def testEvalAtOneStageDoesNotSplitTheBatch(do_eval, k, micro_batch, engine):
+  """Eval at K = 1 runs the cells on the whole batch, not on M pieces.
+
+  Without a backward pass one stage has nothing to overlap; with K = 2 (or in
+  training) the cells see micro-batches of 16 / M = 4.
+
+  Args:
+    do_eval: Whether the layer is built for eval.
+    k: K.
+    micro_batch: The batch size the cells must see.
+    engine: The pipeline engine.
+  """
+  cells = [BatchRecordingCell.Params().Set(name=f'c{i}') for i in range(2)]
+  p = test_util.PipeParams(cells, num_stages=k, num_micro_batches=4,
+                           engine=engine)
+  with tf.Graph().as_default(), cluster_factory.SetEval(do_eval):
+    py_utils.GetOrCreateGlobalStepVar()
+    pipe = p.Instantiate()
+    y = pipe.FProp(pipe.theta, tf.constant(FC_INPUT))
+    with tf.compat.v1.Session(config=engine_util.SessionConfig()) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      np.testing.assert_array_equal(sess.run(y), FC_INPUT)
+  for cell in pipe.children.values():
+    assert cell.batch_sizes and set(cell.batch_sizes) == {micro_batch}
+
+
+@pytest.mark.parametrize('partition,num_stages,logged_at_init', [
+    ('uniform', 2, True), ('params', 2, True), ([1, 3], None, True),
+    ('flops', 2, False), ('profile', 2, False)])
+def testPartitionPlanIsLoggedOnce(partition, num_stages, logged_at_init,
+                                  caplog):
+  """One INFO record with every stage's cells, whenever the plan is known.
+
+  At construction, or at the first FProp for costs that need shapes; a second
+  FProp logs nothing more.
+
+  Args:
+    partition: The partition parameter.
+    num_stages: K.
+    logged_at_init: Whether the plan is known at construction.
+    caplog: pytest's log capture.
+  """
+
+  def Plans():
+    return [r.getMessage() for r in caplog.records
+            if r.pathname == layers_lib.__file__ and
+            r.getMessage().startswith('pipe: partition=')]
+
+  p = test_util.PipeParams(test_util.FCCells(), num_stages=num_stages,
+                           partition=partition, num_micro_batches=2)
+  with tf.Graph().as_default(), caplog.at_level(logging.INFO):
+    py_utils.GetOrCreateGlobalStepVar()
+    pipe = p.Instantiate()
+    assert len(Plans()) == int(logged_at_init)
+    for _ in range(2):
+      pipe.FProp(pipe.theta, tf.constant(FC_INPUT))
+  (plan,) = Plans()
+  assert plan.startswith(f'pipe: partition={partition!r}\n4 cells, 2 stages')
+  assert f'Partition {pipe.partition}:' in plan
+  # The plan's rows (Lingvo's heuristic follows): stage, first cell.
+  stage_rows = re.findall(r'^ +([01]) +(fc\d)\b', plan, re.MULTILINE)[:2]
+  assert stage_rows == [('0', 'fc0'), ('1', f'fc{pipe.partition[0]}')], plan
+
+
 @pytest.mark.parametrize('kwargs,message', [
     (dict(cell_tpl=[]), 'cell_tpl is empty'),
     (dict(cell_tpl=test_util.FCCells(2) + test_util.FCCells(1)),
@@ -206,6 +316,18 @@ def testEvalUsesTheSameStagesWithoutRecompute(engine):
      r"\['auto', 'unrolled', 'loop'\]"),
     (dict(engine='loop', remat='never'),
      "remat='never' is not supported with engine='loop'"),
+    (dict(cell_tpl=test_util.FCCells(1) + [
+        test_util.layers.FCLayer.Params().Set(name='', input_dim=8,
+                                              output_dim=8)]),
+     r"names \['fc0', ''\] must be unique and non-empty; repeated: \[\]"),
+    # A string of K characters must not pass as K devices.
+    (dict(num_stages=4, devices='/gpu'),
+     "devices='/gpu' must be a list of 4 device strings"),
+    (dict(num_stages=2, devices=[0, 1]),
+     r'devices=\[0, 1\] must be a list of 2 device strings'),
+    (dict(micro_batch_size=0), 'micro_batch_size=0 must be a positive int'),
+    (dict(micro_batch_size=-4), 'micro_batch_size=-4 must be a positive int'),
+    (dict(batch_dim=-1), 'batch_dim=-1 must be an int >= 0'),
 ])
 def testBadParamsFailBeforeAnyVariable(kwargs, message):
   p = test_util.PipeParams(test_util.FCCells()).Set(**kwargs)
@@ -214,6 +336,135 @@ def testBadParamsFailBeforeAnyVariable(kwargs, message):
     with pytest.raises(ValueError, match=message):
       p.Instantiate()
     assert not graph.get_operations()
+
+
+class CapturingCell(base_layer.BaseLayer):
+  """x * w, reading w from its variables instead of theta (a bug)."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateVariable('w', py_utils.WeightParams(
+        shape=[], init=py_utils.WeightInit.Constant(1.5)))
+
+  def FProp(self, theta, x):
+    return x * self.vars.w
+
+
+class ChangingOutputsCell(base_layer.BaseLayer):
+  """Returns (x, None) when first traced, (x, x) afterwards (a bug)."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self._traces = 0
+
+  def FProp(self, theta, x):
+    self._traces += 1
+    return (x, None) if self._traces == 1 else (x, x)
+
+
+class LateAccumulatorCell(base_layer.BaseLayer):
+  """Registers an accumulator in FProp instead of __init__ (a bug)."""
+
+  def FProp(self, theta, x):
+    if 'calls' not in self.accumulators:
+      self.RegisterAccumulator('calls', CountingAccumulator())
+    self.accumulators.calls.Update(1.0)
+    return x
+
+
+def _NestedCells():
+  return [NestedCell.Params().Set(name=f'n{i}') for i in range(3)]
+
+
+def _OneCell(cls):
+  return lambda: [cls.Params().Set(name='c0')]
+
+
+def _Placeholder(shape):
+  return lambda: [tf.compat.v1.placeholder(tf.float32, shape)]
+
+
+def _NestedInputs(*num_maps):
+  return lambda: [py_utils.NestedMap(x=tf.zeros([4, 8]))] * num_maps[0]
+
+
+# (cells, params, inputs, message) of FProp calls that fail. The inputs are
+# made in the test's graph; placeholders have dynamic shapes.
+_BAD_FPROPS = {
+    'nested_map_flops': (
+        _NestedCells, dict(nested_map_fprop=True, partition='flops'),
+        _NestedInputs(1), "partition='flops' does not support "
+        'nested_map_fprop=True'),
+    'nested_map_profile': (
+        _NestedCells, dict(nested_map_fprop=True, partition='profile'),
+        _NestedInputs(1), "partition='profile' does not support "
+        'nested_map_fprop=True'),
+    'nested_map_two_args': (
+        _NestedCells, dict(nested_map_fprop=True), _NestedInputs(2),
+        'nested_map_fprop=True: FProp takes one NestedMap'),
+    'nested_map_tensor': (
+        _NestedCells, dict(nested_map_fprop=True), lambda: [tf.zeros([4, 8])],
+        'nested_map_fprop=True: FProp takes one NestedMap'),
+    'flops_dynamic_batch': (
+        test_util.FCCells, dict(num_stages=2, partition='flops'),
+        _Placeholder([None, 8]),
+        r"partition='flops' needs static input shapes, got \(None, 8\)"),
+    'profile_dynamic_dim': (
+        test_util.FCCells, dict(num_stages=2, partition='profile'),
+        _Placeholder([16, None]),
+        r"partition='profile' needs static input shapes, got \(16, None\)"),
+    'flops_unknown_rank': (
+        test_util.FCCells, dict(num_stages=2, partition='flops'),
+        _Placeholder(None),
+        "partition='flops' needs static input shapes, got <unknown>"),
+    'flops_rejected_shape': (
+        test_util.FCCells, dict(num_stages=2, partition='flops'),
+        lambda: [tf.zeros([16, 5])],
+        r"partition='flops': .*'fc0'.* rejects input shapes \(\[16, 5\]\)"),
+    'micro_batch_size_dynamic_batch': (
+        test_util.FCCells, dict(micro_batch_size=4), _Placeholder([None, 8]),
+        'micro_batch_size=4 needs a static batch size; the inputs have none'),
+    'batch_dim_beyond_rank': (
+        test_util.FCCells, dict(batch_dim=2), lambda: [tf.zeros([16, 8])],
+        r'batch_dim=2 but input 0 has shape \(16, 8\); batch_dim must be in '
+        r'\[0, 1\]'),
+    'batch_sizes_disagree': (
+        test_util.TransformerCells, dict(batch_dim=1),
+        lambda: [tf.constant(TR_VECS), tf.zeros([5, 4])],
+        r'Inputs disagree on the batch size along batch_dim=1: \[4, 8\]'),
+    'weight_not_in_theta': (
+        _OneCell(CapturingCell), dict(num_micro_batches=2),
+        lambda: [tf.ones([4, 1])],
+        r"stage 0 reads trainable variables \['pipe/c0/w/var:0'\] that are "
+        'not passed in its theta'),
+    'outputs_change_between_traces': (
+        _OneCell(ChangingOutputsCell), dict(num_micro_batches=2),
+        lambda: [tf.ones([4, 1])],
+        r'stage 0: outputs changed from one trace to the next: \(True, False\)'
+        r' vs \(True, True\)'),
+    'accumulator_registered_in_fprop': (
+        _OneCell(LateAccumulatorCell), dict(num_micro_batches=2),
+        lambda: [tf.ones([4, 1])],
+        'stage 0: the stage function returned a state with 1 tensors, '
+        'expected 0'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_BAD_FPROPS))
+def testBadInputsFailNamingTheParameter(name):
+  """FProp (or, for what only a recompute sees, its gradient) raises.
+
+  Args:
+    name: A key of _BAD_FPROPS.
+  """
+  cells, kwargs, inputs, message = _BAD_FPROPS[name]
+  with tf.Graph().as_default():
+    py_utils.GetOrCreateGlobalStepVar()
+    pipe = test_util.PipeParams(cells(), **kwargs).Instantiate()
+    xs = inputs()
+    with pytest.raises(ValueError, match=message):
+      outputs = tf.nest.flatten(pipe.FProp(pipe.theta, *xs))
+      tf.gradients(outputs[0], tf.nest.flatten(xs))
 
 
 @pytest.mark.parametrize('kwargs,batch,message', [

@@ -75,6 +75,7 @@ def _Read(prefix):
   return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
 
+@pytest.mark.slow
 def testTrainsThroughTheLauncherOnTwoStages(runs):
   code, stdout, stderr = runs['train']
   assert code == 0, stderr[-3000:]
@@ -120,6 +121,7 @@ def _LingvoModelRestores(prefix, splits):
     ('to_lingvo_split', [0, 2], {'cell_0/emb', 'cell_1/encoder_0',
                                  'cell_1/decoder_0', 'cell_1/softmax'}),
 ])
+@pytest.mark.slow
 def testLingvoStackRestoresTheConvertedCheckpoint(runs, name, splits, cells):
   source, output, to, renamed, unchanged = _Converted(runs, name)
   assert (source, to) == (f'{runs["tmp"]}/{TRAINED}', 'lingvo')
@@ -135,6 +137,7 @@ def testLingvoStackRestoresTheConvertedCheckpoint(runs, name, splits, cells):
     assert np.array_equal(value, original[key]), key
 
 
+@pytest.mark.slow
 def testBackToOursIsTheOriginal(runs):
   source, output, to, _, _ = _Converted(runs, 'back')
   assert (source, to) == (f'{runs["tmp"]}/in_process/ckpt', 'ours')
@@ -151,6 +154,7 @@ def testBackToOursIsTheOriginal(runs):
     ('over_input', r"output '.*/ckpt-00000010' is the input checkpoint; "
                    r'give another prefix'),
 ])
+@pytest.mark.slow
 def testBadInputIsOneLine(runs, name, message):
   code, stdout, stderr = runs[name]
   assert code == 2

@@ -1,7 +1,6 @@
 """Stage k runs on device k: in the graph (op.device) and in the kernels run."""
 
 import collections
-import contextlib
 import re
 from unittest import mock
 
@@ -19,46 +18,8 @@ import engine_util
 import test_util
 
 
-def _TracedStep(remat, num_micro_batches=2, engine='unrolled', num_stages=4,
-                cluster=contextlib.nullcontext()):
-  """One traced training step of 4 FC cells.
-
-  Args:
-    remat: The remat mode.
-    num_micro_batches: M.
-    engine: The pipeline engine.
-    num_stages: K.
-    cluster: The Lingvo cluster to build the step in (devices=None).
-
-  Returns:
-    (graph, step_stats): the graph and the RunMetadata step stats.
-  """
-  p = test_util.PipeParams(test_util.FCCells(), num_stages=num_stages,
-                           num_micro_batches=num_micro_batches, remat=remat,
-                           engine=engine)
-  graph = tf.Graph()
-  with graph.as_default(), cluster:
-    py_utils.GetOrCreateGlobalStepVar()
-    pipe = p.Instantiate()
-    y = pipe.FProp(pipe.theta, tf.constant(np.ones([8, 8], np.float32)))
-    # Without recompute the gradient of a stage call is TensorFlow's own;
-    # Lingvo's trainer colocates gradients with their ops, so do we here.
-    grads = tf.compat.v1.gradients(
-        tf.reduce_sum(y * y), pipe.vars.Flatten(),
-        colocate_gradients_with_ops=remat != 'always')
-    with tf.compat.v1.Session(
-        graph=graph, config=engine_util.SessionConfig()) as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      metadata = tf.compat.v1.RunMetadata()
-      sess.run(grads,
-               options=tf.compat.v1.RunOptions(
-                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-               run_metadata=metadata)
-  return graph, metadata.step_stats
-
-
 def testStageCallsArePlacedOnTheirDevices():
-  graph, _ = _TracedStep('always')
+  graph, _ = test_util.TracedFCStep('always')
   devices = collections.defaultdict(set)
   for op in graph.get_operations():
     if op.type in ('StatefulPartitionedCall', 'PartitionedCall'):
@@ -73,7 +34,7 @@ def testStageCallsArePlacedOnTheirDevices():
 def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
   """Cell k's kernels ran on CPU:k; with remat each forward ran twice."""
   with engine_util.ObservableLoops(engine):
-    _, step_stats = _TracedStep(remat, engine=engine)
+    _, step_stats = test_util.TracedFCStep(remat, engine=engine)
   expected = {}
   for k, device in enumerate(engine_util.CPUS):
     expected[(k, device, False)] = forward_runs  # M forwards (+ M recomputes).
@@ -91,7 +52,8 @@ def testLoopStageCallsCarryTheirDevices(num_micro_batches):
   Args:
     num_micro_batches: M.
   """
-  graph, _ = _TracedStep('always', num_micro_batches, engine='loop')
+  graph, _ = test_util.TracedFCStep('always', num_micro_batches,
+                                    engine='loop')
   assert engine_util.LoopCallDevices(graph) == {
       (phase, k): {f'/device:CPU:{k}'}
       for phase in ('forward', 'backward') for k in range(4)}
@@ -106,7 +68,8 @@ def testTwoStagesOnAFourDeviceSplitRunOnItsFirstTwoDevices():
   cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=4, split_size=4)
   with mock.patch.object(placement, 'LocalDevices', return_value=None):
-    _, step_stats = _TracedStep('always', num_stages=2, cluster=cluster)
+    _, step_stats = test_util.TracedFCStep('always', num_stages=2,
+                                           cluster=cluster)
   expected = {}
   for cell in range(4):
     device = engine_util.CPUS[cell // 2]

@@ -8,6 +8,9 @@ import pytest
 
 import tool_util
 
+# Every test reads the runs of plan.py subprocesses.
+pytestmark = pytest.mark.slow
+
 
 # name -> plan.py arguments ({tmp} is replaced by a temporary directory).
 # Each run imports TensorFlow and Lingvo (seconds), so all start at once.
@@ -152,9 +155,13 @@ def testSimulate(runs):
   assert 'step time: 44 (forward pass 11, backward pass 33)' in stdout
   assert ('bubble fraction: 0.2727 (closed form (K-1)/(M+K-1) = 0.2727'
           in stdout)
-  rows = re.findall(r'^\s+(\d+)\s+1\s+2\s+0.727\s+1 \(8 \+ 1\)$', stdout,
-                    re.MULTILINE)
+  rows = re.findall(r'^\s+(\d+)\s+1\s+2\s+0.727\s+1  8 inputs \+ '
+                    r'activations of 1 call$', stdout, re.MULTILINE)
   assert rows == ['0', '1', '2', '3']
+  # Peak memory says its unit.
+  assert ("peak memory in units of one call's activations (inputs count 0); "
+          'give --input_memory and --activation_memory, e.g. in MiB, for '
+          'sizes\n') in stdout
   with open(os.path.join(runs['tmp'], 'sim.json')) as f:
     numbers = json.load(f)
   assert numbers['subcommand'] == 'simulate'
@@ -178,8 +185,10 @@ def testSimulateUnevenStages(runs):
   assert 'step time: 17 (forward pass 7, backward pass 10)' in stdout
   assert 'bubble fraction: 0.4118' in stdout
   # Without remat every call keeps its input (10) and activations.
-  assert re.search(r'^\s+1\s+3\s+4\s+0.824\s+620 \(2 \+ 2\)$', stdout,
-                   re.MULTILINE), stdout
+  assert re.search(r'^\s+1\s+3\s+4\s+0.824\s+620  2 inputs \+ activations '
+                   r'of 2 calls$', stdout, re.MULTILINE), stdout
+  assert ('peak memory in the unit of --input_memory and --activation_memory '
+          '(defaults 0 and 1)\n') in stdout
 
 
 def testTimelineOfARealStep(runs):

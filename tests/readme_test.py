@@ -14,6 +14,9 @@ import pytest
 import engine_util
 import tool_util
 
+# Each example trains a Lingvo model for 5 steps.
+pytestmark = pytest.mark.slow
+
 
 def _ImportExample(document, module_name, folder):
   """Imports the code block of `document` that registers a model.

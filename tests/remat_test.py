@@ -10,7 +10,6 @@ from lingvo import compat as tf
 from lingvo.core import layers
 from lingvo.core import py_utils
 
-from lingvo_gpipe import cells
 import engine_util
 import test_util
 
@@ -29,12 +28,29 @@ def DropoutCells():
   return cells
 
 
-def SeededPlain(theta, x, num_micro_batches):
-  """The plain stack, run per micro-batch with the pipeline's seeds."""
+def SeededPlain(theta, x, num_micro_batches, step):
+  """The plain stack, run per micro-batch at the seeds GPipe promises.
+
+  Micro-batch m of global step s must draw the masks that plain Lingvo draws
+  at global step s * M + m (Lingvo's GPipe rule). Lingvo's own
+  `GenerateStepSeedPair` is the oracle here, with its global step overridden
+  per micro-batch; `cells.MicroBatchSeeds` is not used, so a pipeline whose
+  seeds ignore the micro-batch or the step does not agree with it.
+
+  Args:
+    theta: The cells' variables.
+    x: The mini-batch.
+    num_micro_batches: M.
+    step: The global step s (a Python int).
+
+  Returns:
+    The per-micro-batch outputs, concatenated.
+  """
   ref = test_util.Reference(DropoutCells())
   outputs = []
   for m, part in enumerate(tf.split(x, num_micro_batches)):
-    with cells.MicroBatchSeeds(tf.constant(m, tf.int64)):
+    micro_batch_id = tf.constant(step * num_micro_batches + m, tf.int64)
+    with py_utils.GlobalStepContext(micro_batch_id):
       for cell in ref.children.values():
         py_utils.ResetStepSeed(py_utils.GenerateSeedFromName(cell.path))
         part = cell.FProp(theta[cell.params.name], part)
@@ -42,11 +58,19 @@ def SeededPlain(theta, x, num_micro_batches):
   return tf.concat(outputs, 0)
 
 
-def _Run(k):
-  """Outputs + gradients per (engine, remat) at K=k, and the seeded plain."""
+def _Run(k, step):
+  """Outputs + gradients per (engine, remat) at K=k, and the seeded plain.
+
+  Args:
+    k: K.
+    step: The global step the graph runs at.
+
+  Returns:
+    {(engine, remat) or 'plain': [output] + gradients of variables and x}.
+  """
   graph = tf.Graph()
   with graph.as_default():
-    py_utils.GetOrCreateGlobalStepVar()
+    global_step = py_utils.GetOrCreateGlobalStepVar()
     x = tf.constant(X)
     fetches = {}
     pipe = None
@@ -58,18 +82,28 @@ def _Run(k):
       y = pipe.FProp(pipe.theta, x)
       fetches[engine, remat] = [y] + tf.gradients(
           tf.reduce_sum(y * y), pipe.vars.Flatten() + [x])
-    y = SeededPlain(pipe.theta, x, NUM_MICRO_BATCHES)
+    y = SeededPlain(pipe.theta, x, NUM_MICRO_BATCHES, step)
     fetches['plain'] = [y] + tf.gradients(tf.reduce_sum(y * y),
                                           pipe.vars.Flatten() + [x])
     with tf.compat.v1.Session(graph=graph,
                               config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
+      global_step.load(step, sess)
       return sess.run(fetches)
 
 
-@pytest.mark.parametrize('k', [1, 2, 4])
-def testDropoutGradientsExactInEveryRematMode(k):
-  values = _Run(k)
+@pytest.mark.parametrize('k,step', [(1, 0), (2, 0), (4, 0), (2, 3)])
+def testDropoutMasksFollowTheSeedRuleAndGradientsAreExact(k, step):
+  """Masks are plain Lingvo's at global step s * M + m, in every remat mode.
+
+  Guards the seed rule (each micro-batch, at every step, gets its own masks)
+  and the recompute's replay of the same masks (the gradients are exact).
+
+  Args:
+    k: K.
+    step: The global step.
+  """
+  values = _Run(k, step)
   # Dropout is active: about half the activations are zero.
   zeros = np.mean(values['plain'][0] == 0)
   assert 0.3 < zeros < 0.95, zeros
@@ -78,18 +112,29 @@ def testDropoutGradientsExactInEveryRematMode(k):
 
 
 def testEachMicroBatchDrawsItsOwnMask(engine):
-  """Identical micro-batches come out different: masks differ per micro-batch."""
+  """Identical micro-batches of ones come out different: one mask each.
+
+  The stages are dropout layers alone, so the zeros of the output are the
+  masks themselves, whatever the initial weights of other tests were (with
+  FC layers in front, ReLU zeros hid the masks' differences in one order of
+  the suite).
+
+  Args:
+    engine: The pipeline engine.
+  """
+  cells = [layers.DeterministicDropoutLayer.Params().Set(
+      name=f'drop{i}', keep_prob=0.5) for i in range(2)]
   graph = tf.Graph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
-    pipe = test_util.PipeParams(DropoutCells(), num_stages=2,
+    pipe = test_util.PipeParams(cells, num_stages=2,
                                 num_micro_batches=NUM_MICRO_BATCHES,
                                 engine=engine).Instantiate()
-    x = tf.tile(tf.constant(X[:2]), [NUM_MICRO_BATCHES, 1])
-    y = pipe.FProp(pipe.theta, x)
+    y = pipe.FProp(pipe.theta, tf.ones([2 * NUM_MICRO_BATCHES, 8]))
     with tf.compat.v1.Session(graph=graph,
                               config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       parts = np.split(sess.run(y), NUM_MICRO_BATCHES)
   masks = [tuple((p == 0).ravel()) for p in parts]
+  assert 0.5 < np.mean(masks) < 0.95  # Two layers keep 1/4 of the values.
   assert len(set(masks)) == NUM_MICRO_BATCHES

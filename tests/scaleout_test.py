@@ -234,6 +234,7 @@ def _TrainGraph(devices, engine='unrolled'):
         train=train, saver=tf.compat.v1.train.Saver())
 
 
+@pytest.mark.slow
 def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path, engine):
   """Stage k on task k; loss, gradients and update equal a local plain run."""
   path = str(tmp_path / 'init')
@@ -286,6 +287,7 @@ class _Background:
     return not self.running
 
 
+@pytest.mark.slow
 def testKilledWorkerFailsTheStepAndCheckpointRecovers(servers, tmp_path):
   """Kill task 1 while steps run; restart it; restore; training continues."""
   piped = _TrainGraph([servers.Device(0), servers.Device(1)])

@@ -157,6 +157,7 @@ def _AssertSame(actual, expected, renames):
       [ref_grads[n] for n in names])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', sorted(KINDS))
 def testLingvoTrainedCheckpointRestoresIntoOurStackAndBack(kind, tmp_path):
   lingvo_cls, ours_cls, params_fn = KINDS[kind]
@@ -228,6 +229,7 @@ def _EvolvedParams(cls):
   return p
 
 
+@pytest.mark.slow
 def testEvolvedStackHasLingvosLayersUnderOurNames():
   """One Params builds Lingvo's evolved stack and ours, variable by variable.
 

@@ -1,8 +1,10 @@
 """Helpers of the Lingvo layer tests: cell stacks, references and runners."""
 
 import collections
+import contextlib
 import re
 
+import numpy as np
 from lingvo import compat as tf
 from lingvo.core import builder_layers
 from lingvo.core import layers
@@ -92,17 +94,18 @@ def _Wrt(layer, inputs):
                                  if x is not None and x.dtype.is_floating]
 
 
-def RunGraph(pipe_params, cell_fn, inputs, fetch_extra=None):
+def RunGraph(pipe_params, cell_fn, inputs):
   """Pipeline vs. reference in a TF1 graph.
 
   Args:
     pipe_params: GPipeSequentialLayer params (cells from cell_fn()).
     cell_fn: Returns fresh cell params for the reference.
     inputs: numpy arrays or None.
-    fetch_extra: Optional fn(graph, pipe_layer) -> extra fetches.
 
   Returns:
-    (pipe_values, ref_values, extra): outputs + grads of both, plus extra.
+    (pipe_values, ref_values, sparse): outputs + dense gradients of both, and
+    {variable name: indices} of every pipeline weight gradient that is
+    sparse (IndexedSlices) as built, before any densifying.
   """
   graph = tf.Graph()
   with graph.as_default():
@@ -112,14 +115,15 @@ def RunGraph(pipe_params, cell_fn, inputs, fetch_extra=None):
     xs = [None if x is None else tf.constant(x) for x in inputs]
     y = pipe.FProp(pipe.theta, *xs)
     y_ref = ref.FProp(pipe.theta, *xs)
-    fetches = []
-    for out in (y, y_ref):
-      grads = tf.gradients(_Loss(out), _Wrt(pipe, xs))
-      fetches.append(_Outputs(out) + [tf.convert_to_tensor(g) for g in grads])
-    extra = fetch_extra(graph, pipe) if fetch_extra else []
-    with tf.compat.v1.Session(graph=graph, config=engine_util.SessionConfig()) as sess:
+    grads = [tf.gradients(_Loss(out), _Wrt(pipe, xs)) for out in (y, y_ref)]
+    fetches = [_Outputs(out) + [tf.convert_to_tensor(g) for g in out_grads]
+               for out, out_grads in zip((y, y_ref), grads)]
+    sparse = {v.name: g.indices for v, g in zip(pipe.vars.Flatten(), grads[0])
+              if isinstance(g, tf.IndexedSlices)}
+    with tf.compat.v1.Session(graph=graph,
+                              config=engine_util.SessionConfig()) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
-      return sess.run(fetches + [extra])
+      return sess.run(fetches + [sparse])
 
 
 def RunFunction(pipe_params, cell_fn, inputs, jit_compile=False):
@@ -140,3 +144,41 @@ def RunFunction(pipe_params, cell_fn, inputs, jit_compile=False):
     return results
 
   return [[t.numpy() for t in r] for r in Step()]
+
+
+def TracedFCStep(remat, num_micro_batches=2, engine='unrolled', num_stages=4,
+                 cluster=contextlib.nullcontext()):
+  """One traced training step (gradients) of FCCells().
+
+  Args:
+    remat: The remat mode.
+    num_micro_batches: M.
+    engine: The pipeline engine.
+    num_stages: K.
+    cluster: The Lingvo cluster to build the step in (devices=None).
+
+  Returns:
+    (graph, step_stats): the graph and the RunMetadata step stats.
+  """
+  p = PipeParams(FCCells(), num_stages=num_stages,
+                 num_micro_batches=num_micro_batches, remat=remat,
+                 engine=engine)
+  graph = tf.Graph()
+  with graph.as_default(), cluster:
+    py_utils.GetOrCreateGlobalStepVar()
+    pipe = p.Instantiate()
+    y = pipe.FProp(pipe.theta, tf.constant(np.ones([8, 8], np.float32)))
+    # Without recompute the gradient of a stage call is TensorFlow's own;
+    # Lingvo's trainer colocates gradients with their ops, so do we here.
+    grads = tf.compat.v1.gradients(
+        tf.reduce_sum(y * y), pipe.vars.Flatten(),
+        colocate_gradients_with_ops=remat != 'always')
+    with tf.compat.v1.Session(
+        graph=graph, config=engine_util.SessionConfig()) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      metadata = tf.compat.v1.RunMetadata()
+      sess.run(grads,
+               options=tf.compat.v1.RunOptions(
+                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+               run_metadata=metadata)
+  return graph, metadata.step_stats

@@ -17,7 +17,7 @@ def ToolCommand(tool):
   return [sys.executable, os.path.join(ROOT, 'tools', tool)]
 
 
-def RunToolInParallel(tool, runs, tmp, timeout):
+def RunToolInParallel(tool, runs, tmp, timeout, env_changes=None):
   """Runs `python tools/<tool>` once per entry of `runs`, all at once.
 
   Args:
@@ -25,12 +25,19 @@ def RunToolInParallel(tool, runs, tmp, timeout):
     runs: {name: argument list}; '{tmp}' in an argument becomes `tmp`.
     tmp: A scratch folder, also the tools' working directory.
     timeout: Seconds each run may take.
+    env_changes: {variable: value, or None to remove it} applied to this
+      environment (which has TF_CPP_MIN_LOG_LEVEL=2 unless set otherwise).
 
   Returns:
     {name: (exit code, stdout, stderr)} plus 'tmp': tmp.
   """
   env = dict(os.environ)
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  for name, value in (env_changes or {}).items():
+    if value is None:
+      env.pop(name, None)
+    else:
+      env[name] = value
   procs = {
       name: subprocess.Popen(
           ToolCommand(tool) + [a.format(tmp=tmp) for a in args],

@@ -6,6 +6,8 @@ checked in-process on the launcher's own cluster and server.
 """
 
 import collections
+import contextlib
+import logging
 import os
 import re
 import signal
@@ -19,6 +21,8 @@ import numpy as np
 import pytest
 from lingvo import compat as tf
 from lingvo.core import cluster_factory
+from lingvo.core import py_utils
+from tensorflow.python.eager import context  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_gpipe.engine import placement
 import engine_util
@@ -58,7 +62,14 @@ AFTER = {
     # Lingvo's evaler waits for checkpoints until max_steps is reached.
     'eager_eval': COMMON + ['--logdir={tmp}/eager', '--job=evaler_dev',
                             '--use_eager', '--max_steps=6'],
+    # The graph-mode evaler on the same checkpoint as 'eager_eval'.
+    'graph_eval_of_eager': COMMON + ['--logdir={tmp}/eager',
+                                     '--job=evaler_dev', '--max_steps=6'],
+    # 'loop_graph' again: its checkpoint is at max_steps already.
+    'again': RUNS['loop_graph'],
 }
+# As `make train` runs the launcher: it chooses TensorFlow's C++ log level.
+ENV_CHANGES = {'TF_CPP_MIN_LOG_LEVEL': None}
 _TRAINED = re.compile(
     r'^trained (\S+): steps=(\d+) loss ([\d.]+) -> ([\d.]+), ([\d.]+) '
     r'examples/s, checkpoint (\S+)$', re.MULTILINE)
@@ -102,11 +113,13 @@ def _KillAfterFirstCheckpoint(tmp):
 def runs(tmp_path_factory):
   tmp = str(tmp_path_factory.mktemp('train'))
   watcher = _KillAfterFirstCheckpoint(tmp)
-  results = tool_util.RunToolInParallel('train.py', RUNS, tmp, timeout=600)
+  results = tool_util.RunToolInParallel('train.py', RUNS, tmp, timeout=600,
+                                        env_changes=ENV_CHANGES)
   watcher.join()
   results['killed_at'] = _Checkpoint(f'{tmp}/killed')
   results.update(
-      tool_util.RunToolInParallel('train.py', AFTER, tmp, timeout=600))
+      tool_util.RunToolInParallel('train.py', AFTER, tmp, timeout=600,
+                                  env_changes=ENV_CHANGES))
   return results
 
 
@@ -121,6 +134,7 @@ def _ProgressSteps(stdout):
   return [int(s) for s in re.findall(r'^step +(\d+) +loss', stdout, re.M)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,steps', [('graph', STEPS), ('eager', 6),
                                         ('replicas', 6), ('loop_graph', 6),
                                         ('loop_eager', 6)])
@@ -130,9 +144,26 @@ def testTrainsAndLossDecreases(runs, name, steps):
   assert float(last) < float(first) - 0.5  # Starts near log(256) = 5.5.
   assert float(rate) > 0
   assert ckpt.endswith(f'ckpt-{steps:08d}') and os.path.exists(ckpt + '.index')
-  assert _ProgressSteps(runs[name][1]) == list(range(1, steps + 1))
+  stdout = runs[name][1]
+  assert _ProgressSteps(stdout) == list(range(1, steps + 1))
+  # The first step's rate is unknown (it includes building the graph): the
+  # line says how long start-up took instead.
+  assert re.search(r'^step +1  loss [\d.]+  first step [\d.]+ s after start '
+                   r'\(building, restoring\)$', stdout, re.MULTILINE), stdout
+  assert 'nan' not in stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['graph', 'eager', 'loop_eager', 'eval',
+                                  'eager_eval'])
+def testNoCppErrorLines(runs, name):
+  """TensorFlow's import-time C++ errors do not reach the launcher's user."""
+  code, _, stderr = runs[name]
+  assert code == 0, stderr[-3000:]
+  assert not re.findall(r'^E\d{4} .*$', stderr, re.MULTILINE)
+
+
+@pytest.mark.slow
 def testTensorBoardSummaries(runs):
   """Loss, learning rate, examples/s and the bubble fraction, every step."""
   (events,) = [os.path.join(runs['tmp'], 'graph', 'train', f)
@@ -149,28 +180,37 @@ def testTensorBoardSummaries(runs):
                                                      ] * STEPS
 
 
-def testGraphAndEagerModesAgree(runs):
-  """Same initial weights and batches: the same first loss in both modes."""
-  graph_first = _Trained(runs, 'graph')[2]
-  eager_first = _Trained(runs, 'eager')[2]
-  assert abs(float(graph_first) - float(eager_first)) < 1e-3
-
-
 def _StepLosses(stdout):
   return [float(l) for l in re.findall(r'^step +\d+ +loss ([\d.]+)', stdout,
                                        re.M)]
 
 
-@pytest.mark.parametrize('loop,unrolled', [('loop_graph', 'graph'),
-                                           ('loop_eager', 'eager')])
-def testLoopEngineTrainsLikeTheUnrolledOne(runs, loop, unrolled):
-  """Same weights and batches: the same loss at every step, either engine."""
-  loop_losses = _StepLosses(runs[loop][1])
-  unrolled_losses = _StepLosses(runs[unrolled][1])[:len(loop_losses)]
-  assert len(loop_losses) == 6
-  np.testing.assert_allclose(loop_losses, unrolled_losses, rtol=1e-4)
+@pytest.mark.slow
+@pytest.mark.parametrize('name,reference,rtol', [('eager', 'graph', 5e-3),
+                                                 ('loop_graph', 'graph', 1e-4),
+                                                 ('loop_eager', 'eager', 1e-4)])
+def testSameLossAtEveryStep(runs, name, reference, rtol):
+  """Same weights and batches: the same loss at each of 6 steps.
+
+  The loop engine against the unrolled one in the same mode: equal to the 4
+  printed decimals. Eager against graph mode: the same for 2 steps, then
+  apart by float round-off (TensorFlow optimizes the two graphs
+  differently), which Adam amplifies in weights with tiny gradients:
+  measured 1.7e-3 relative at step 6, where one step's progress is 3%.
+
+  Args:
+    runs: The fixture.
+    name: A 6-step run.
+    reference: The run it must agree with.
+    rtol: The relative tolerance.
+  """
+  losses = _StepLosses(runs[name][1])
+  expected = _StepLosses(runs[reference][1])[:6]
+  assert len(losses) == 6
+  np.testing.assert_allclose(losses, expected, rtol=rtol)
 
 
+@pytest.mark.slow
 def testKilledRunResumesWithIdenticalVariables(runs):
   killed_at = runs['killed_at']
   assert killed_at, 'the killed run wrote no checkpoint'
@@ -189,24 +229,56 @@ def testKilledRunResumesWithIdenticalVariables(runs):
                                 [uninterrupted.get_tensor(name)], tol=1e-6)
 
 
-# After 20 steps next-byte accuracy beats chance (1/256) clearly; after the
-# eager run's 6 it need not.
-@pytest.mark.parametrize('job,prefix,step,min_accuracy', [
-    ('eval', 'eval_dev', STEPS, 0.05),
-    ('decode', 'decoder_dev', STEPS, 0.05),
-    ('eager_eval', 'eval_dev', 6, 0.0),
-])
-def testEvalAndDecodeOnHeldOutText(runs, job, prefix, step, min_accuracy):
+def _Metrics(runs, job, prefix, step):
+  """{metric: value} of the one result line of eval or decode run `job`."""
   code, stdout, stderr = runs[job]
   assert code == 0, stderr[-3000:]
   (line,) = re.findall(rf'^{prefix} {MODEL} at step {step}: (.*)$', stdout,
                        re.MULTILINE)
-  values = dict(re.findall(r'(\S+) ([\d.]+)', line))
-  assert float(values['fraction_of_correct_next_step_preds']) >= min_accuracy
+  return {k: float(v) for k, v in re.findall(r'(\S+) ([\d.]+)', line)}
+
+
+# After 20 steps next-byte accuracy beats chance (1/256) clearly.
+@pytest.mark.slow
+@pytest.mark.parametrize('job,prefix', [('eval', 'eval_dev'),
+                                        ('decode', 'decoder_dev')])
+def testEvalAndDecodeOnHeldOutText(runs, job, prefix):
+  values = _Metrics(runs, job, prefix, STEPS)
+  assert values['fraction_of_correct_next_step_preds'] >= 0.05
   if job != 'decode':  # Perplexity below uniform guessing.
-    assert 2.0 < float(values['log_pplx']) < np.log(256)
+    assert 2.0 < values['log_pplx'] < np.log(256)
 
 
+@pytest.mark.slow
+def testEagerEvalEqualsGraphEvalOfTheSameCheckpoint(runs):
+  """Lingvo's eager evaler scores the 6-step checkpoint as the graph one.
+
+  After 6 steps accuracy need not beat chance; the eager eval path is checked
+  against the graph-mode evaler on the same checkpoint and held-out text.
+  """
+  eager = _Metrics(runs, 'eager_eval', 'eval_dev', 6)
+  graph = _Metrics(runs, 'graph_eval_of_eager', 'eval_dev', 6)
+  assert set(eager) == {'fraction_of_correct_next_step_preds', 'log_pplx',
+                        'loss'}
+  assert set(graph) == set(eager)
+  for name, value in eager.items():
+    assert value == pytest.approx(graph[name], abs=2e-4), name
+  assert 2.0 < eager['log_pplx'] < np.log(256)
+
+
+@pytest.mark.slow
+def testRerunAtMaxStepsHasNothingToDo(runs):
+  """The same command again after the last step: one line, no training."""
+  code, stdout, stderr = runs['again']
+  assert code == 0, stderr[-3000:]
+  checkpoint = os.path.join(runs['tmp'], 'loop_graph', 'train',
+                            'ckpt-00000006')
+  assert stdout.splitlines() == [
+      f'trained {MODEL}: nothing to do, checkpoint {checkpoint} is at or past '
+      'max_steps']
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('name,message', [
     ('bad_model', "--model='lm.NoSuchModel' is not a registered model; "
                   'registered: image.ShapesResNet, image.ShapesResNetTiny, '
@@ -224,26 +296,53 @@ def testBadInputIsOneLine(runs, name, message):
   assert 'Traceback' not in stderr and 'trained' not in stdout
 
 
+@contextlib.contextmanager
+def _LauncherParams(logdir, use_eager=False, split_size=None,
+                    num_stages=None):
+  """The trainer's params as the launcher sets them up, in its flags.
+
+  Args:
+    logdir: --logdir.
+    use_eager: --use_eager (Lingvo's eager mode flag while inside; the test
+      process runs TensorFlow eagerly, with graphs where a test builds one).
+    split_size: --split_size (None: all 4 devices in one split, 4 stages; 2:
+      two towers of 2 stages).
+    num_stages: The LM's K (default: the split size, 4 without one).
+
+  Yields:
+    The model params of the trainer job; in graph mode the launcher's local
+    server is FLAGS.tf_master.
+  """
+  num_stages = num_stages or split_size
+  override = f'task.stack.num_stages: {num_stages}' if num_stages else ''
+  eager = py_utils.IsEagerMode()
+  with flagsaver.flagsaver(model=MODEL, logdir=logdir, split_size=split_size,
+                           use_eager=use_eager, model_params_override=override,
+                           **train.LAUNCHER_DEFAULTS):
+    manager = train.LocalDevicesRunnerManager(MODEL)
+    manager.MaybeConfigRunLocally()
+    # Lingvo's flag only: the launcher's SetEagerMode would also switch
+    # TensorFlow's eager execution for the rest of the process.
+    py_utils.SetEagerMode(use_eager, test_mode=True)
+    try:
+      yield manager.GetParamsForDataset('trainer_client', 'Train')
+    finally:
+      py_utils.SetEagerMode(eager, test_mode=True)
+
+
 def _TraceOneLauncherStep(logdir, split_size=None, num_stages=None):
   """One training step built like the launcher's trainer, with step stats.
 
   Args:
     logdir: --logdir.
-    split_size: --split_size (None: all 4 devices in one split; 2: two towers
-      of 2 stages).
-    num_stages: The LM's K (default: the split size, 4 without one).
+    split_size: --split_size, see `_LauncherParams`.
+    num_stages: The LM's K, see `_LauncherParams`.
 
   Returns:
     (RunMetadata, the LM task).
   """
-  num_stages = num_stages or split_size
-  override = f'task.stack.num_stages: {num_stages}' if num_stages else ''
-  with flagsaver.flagsaver(model=MODEL, logdir=logdir, split_size=split_size,
-                           model_params_override=override,
-                           **train.LAUNCHER_DEFAULTS):
-    manager = train.LocalDevicesRunnerManager(MODEL)
-    manager.MaybeConfigRunLocally()
-    cfg = manager.GetParamsForDataset('trainer_client', 'Train')
+  with _LauncherParams(logdir, split_size=split_size,
+                       num_stages=num_stages) as cfg:
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.Session(
         flagsaver.flags.FLAGS.tf_master) as sess:
@@ -286,6 +385,7 @@ def _StageCall(node):
   return None
 
 
+@pytest.mark.slow
 def testStageKRunsOnDeviceK(tmp_path):
   """On the launcher's cluster and 4-device server, stage k ran on CPU:k.
 
@@ -312,6 +412,7 @@ def testStageKRunsOnDeviceK(tmp_path):
   assert dict(stage_calls) == {k: {k} for k in range(4)}
 
 
+@pytest.mark.slow
 def testTwoReplicasOfTwoStagesRunOnTheirOwnDevices(tmp_path):
   """--split_size=2 on 4 devices: tower r's stage k ran on CPU:2r+k."""
   metadata, task = _TraceOneLauncherStep(str(tmp_path), split_size=2)
@@ -327,6 +428,7 @@ def testTwoReplicasOfTwoStagesRunOnTheirOwnDevices(tmp_path):
       (r, k): {2 * r + k} for r in range(2) for k in range(2)}
 
 
+@pytest.mark.slow
 def testTwoStagesOnAFourDeviceSplitAreLogged(runs):
   """The launcher's log names the split's devices 0 and 1 for the 2 stages."""
   code, _, stderr = runs['two_stages']
@@ -338,6 +440,7 @@ def testTwoStagesOnAFourDeviceSplitAreLogged(runs):
   assert placement.endswith('] (model split of 4 devices)')
 
 
+@pytest.mark.slow
 def testTwoStagesOnAFourDeviceSplitRunOnCpu0And1(tmp_path):
   """--num_devices=4, a 2-stage LM: stage k on CPU:k, CPU:2-3 stay idle.
 
@@ -359,3 +462,88 @@ def testTwoStagesOnAFourDeviceSplitRunOnCpu0And1(tmp_path):
         calls[call[1]].add(device)
   assert dict(calls) == {0: {0}, 1: {1}}
   assert busy == {0, 1}
+
+
+def testEagerLauncherRunsStageKOnCpuK(tmp_path):
+  """--use_eager: the launcher's cluster puts stage k's kernels on CPU:k.
+
+  The eager context has the 4 CPU devices (conftest.py creates them as the
+  launcher does); the partition graphs TensorFlow ran for one tf.function
+  step of the tiny LM hold stage k's forward kernels on CPU:k only.
+
+  Args:
+    tmp_path: pytest's scratch folder (--logdir).
+  """
+  with _LauncherParams(str(tmp_path), use_eager=True) as cfg:
+    with cluster_factory.Cluster(cfg.cluster):
+      task = cfg.Instantiate().GetTask()
+      assert task.stack.StageDevices() == engine_util.CPUS
+
+      @tf.function(autograph=False)
+      def Step():
+        with tf.GradientTape() as tape:
+          metrics, _ = task.FPropDefaultTheta()
+        return tape.gradient(metrics['loss'][0], task.vars.Flatten())
+
+      context.enable_run_metadata()
+      try:
+        Step()
+        metadata = context.export_run_metadata()
+      finally:
+        context.disable_run_metadata()
+  stages = collections.defaultdict(set)
+  for function in metadata.function_graphs:
+    for partition in function.partition_graphs:
+      for node in partition.node:
+        call = re.search(r'/gpipe/stage(\d)(_\d+)?/StatefulPartitionedCall/',
+                         node.name)
+        if call and node.op not in _TRANSFER_OPS:
+          stages[node.device].add(int(call.group(1)))
+  assert dict(stages) == {device: {k}
+                          for k, device in enumerate(engine_util.CPUS)}
+
+
+@pytest.mark.parametrize('argv,flag_values,message', [
+    (['train.py', 'now'], {}, "unexpected arguments ['now']; every setting is "
+     'a flag.'),
+    (['train.py'], dict(model=None), '--model is required, e.g. '
+     '--model=lm.GPipeCharLm.'),
+    (['train.py'], dict(logdir=''), '--logdir is required, e.g. '
+     '--logdir=/tmp/lm.'),
+    (['train.py'], dict(num_devices=4, split_size=3), '--split_size=3 must '
+     'divide --num_devices=4.'),
+])
+def testLauncherErrorsAreOneLine(tmp_path, capsys, argv, flag_values,
+                                 message):
+  """Mistakes in the command line: one line, exit status 2, nothing made."""
+  logdir = str(tmp_path / 'logdir')
+  with flagsaver.flagsaver(**{'model': MODEL, 'logdir': logdir,
+                              **flag_values}):
+    with pytest.raises(SystemExit) as exit_info:
+      train.main(argv)
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == f'train.py: error: {message}\n'
+  assert not os.path.exists(logdir)
+
+
+def _TrainRecord(step, loss, created):
+  """A log record as Lingvo's trainer logs a step (what Progress reads)."""
+  record = logging.LogRecord(
+      'absl', logging.INFO, __file__, 0,
+      f'step: {step:6d}, steps/sec: 1.00, examples/sec: 8.00 loss:{loss} '
+      'num_samples_in_batch:8', None, None)
+  record.created = created
+  return record
+
+
+def testProgressLinesNameStartUpThenTheRate(capsys):
+  """The first line has no rate yet (no 'nan'): it says when step 1 came."""
+  progress = train.Progress(log_every=2, eager_eval_job='', start=100.0)
+  for step, created in [(1, 106.5), (2, 107.0), (3, 107.5), (4, 108.0)]:
+    progress.emit(_TrainRecord(step, 5.0 - step, created))
+  assert capsys.readouterr().out.splitlines() == [
+      'step      1  loss 4.0000  first step 6.5 s after start (building, '
+      'restoring)',
+      'step      2  loss 3.0000       16.0 examples/s',
+      'step      4  loss 1.0000       16.0 examples/s']
+  assert progress.ExamplesPerSecond() == 16.0

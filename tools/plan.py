@@ -315,6 +315,16 @@ def _Bubble(num_stages: int, num_micro: int, bubble: float) -> str:
           f'{closed:.4f}, exact for equal stages without transfer cost)')
 
 
+def _MemoryUnit() -> str:
+  """The line that says in what unit `simulate` prints peak memory."""
+  if FLAGS.input_memory is None and FLAGS.activation_memory is None:
+    return ("peak memory in units of one call's activations (inputs count "
+            '0); give --input_memory and --activation_memory, e.g. in MiB, for '
+            'sizes')
+  return ('peak memory in the unit of --input_memory and --activation_memory '
+          '(defaults 0 and 1)')
+
+
 def Simulate(args: Sequence[str]) -> Dict[str, Any]:
   """The `simulate` subcommand: prints the simulated step, returns numbers.
 
@@ -352,12 +362,14 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
   print(f'step time: {sim.step_time:.6g} (forward pass {sim.forward_time:.6g}'
         f', backward pass {sim.step_time - sim.forward_time:.6g})')
   print(_Bubble(num_stages, num_micro, sim.bubble_fraction))
-  print('stage   forward  backward  utilization  peak memory (inputs + '
-        'activations)')
+  print('stage   forward  backward  utilization  peak memory  held then')
   for k in range(num_stages):
     print(f'{k:5d}  {forward[k]:8.4g}  {backward[k]:8.4g}  '
-          f'{sim.utilization[k]:11.3f}  {sim.peak_memory[k]:11.4g} '
-          f'({sim.peak_inputs[k]} + {sim.peak_activations[k]})')
+          f'{sim.utilization[k]:11.3f}  {sim.peak_memory[k]:11.4g}  '
+          f'{sim.peak_inputs[k]} inputs + activations of '
+          f'{sim.peak_activations[k]} call'
+          f'{"" if sim.peak_activations[k] == 1 else "s"}')
+  print(_MemoryUnit())
   if FLAGS.png_out or FLAGS.trace_out:  # Events are built on first use.
     _WriteOutputs(sim.events, num_stages,
                   f'Simulated GPipe step: K={num_stages}, M={num_micro}, '

@@ -11,8 +11,10 @@ same RunnerManager with three changes:
 * the default job is `trainer_client` with checkpoints written by the
   trainer (`--checkpoint_in_trainer_cpu`): no controller, no 30 s start-up
   wait;
-* progress goes to stdout as `step <n>  loss <l>  <x> examples/s` lines;
-  Lingvo's full log goes to <logdir>/train_log.txt.
+* progress goes to stdout as `step <n>  loss <l>  <x> examples/s` lines
+  (the first says how long start-up took instead); Lingvo's full log goes to
+  <logdir>/train_log.txt, TensorFlow's C++ log is quiet unless
+  TF_CPP_MIN_LOG_LEVEL is set.
 
 Every Lingvo trainer flag still works (`--use_eager`, `--job=evaler_dev`,
 `--job=decoder_dev`, `--model_params_override`, ...). Running the same
@@ -36,10 +38,16 @@ import sys
 if __name__ == '__main__':  # Run as a script: see tools/__init__.py.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
       __file__))))
+  # TensorFlow's C++ errors at import on a CPU host (no CUDA driver, oneDNN
+  # without AVX-512 for int32) are noise on a launcher's terminal; Python
+  # raises for the errors that matter. TF_CPP_MIN_LOG_LEVEL=2 (or lower)
+  # shows them again.
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging
 import re
+import time
 
 from absl import app
 from absl import flags
@@ -102,20 +110,35 @@ class Progress(logging.Handler):
     results: {job: (step, {metric: value})} of every eval or decode job.
   """
 
-  def __init__(self, log_every, eager_eval_job):
-    """Prints every `log_every` steps; eager evals count as `eager_eval_job`."""
+  def __init__(self, log_every, eager_eval_job, start=None):
+    """Prints every `log_every` steps; eager evals count as `eager_eval_job`.
+
+    Args:
+      log_every: Print every this many steps (and the first step).
+      eager_eval_job: The job name of eager eval results.
+      start: When the run started (time.time()); default now.
+    """
     super().__init__()
     self._log_every = log_every
     self._eager_eval_job = eager_eval_job
+    self._start = time.time() if start is None else start
     self.steps = []
     self.results = {}
 
   def ExamplesPerSecond(self):
-    """Examples/s over the run, without the first step (graph building)."""
+    """Examples/s after the first step (graph building); None before two."""
     if len(self.steps) < 2:
-      return float('nan')
+      return None
     examples = sum(n for _, _, n, _ in self.steps[1:])
     return examples / (self.steps[-1][3] - self.steps[0][3])
+
+  def Speed(self):
+    """The rate as printed: '<x> examples/s', or the first step's time."""
+    rate = self.ExamplesPerSecond()
+    if rate is not None:
+      return f'{rate:9.1f} examples/s'
+    return (f'first step {self.steps[0][3] - self._start:.1f} s after start '
+            '(building, restoring)')
 
   def emit(self, record):
     message = record.getMessage()
@@ -128,7 +151,7 @@ class Progress(logging.Handler):
                          record.created))
       if step % self._log_every == 0 or len(self.steps) == 1:
         print(f'step {step:6d}  loss {self.steps[-1][1]:.4f}  '
-              f'{self.ExamplesPerSecond():9.1f} examples/s', flush=True)
+              f'{self.Speed()}', flush=True)
       return
     evaluation = _EVAL_LOG.match(message)
     if evaluation:
@@ -326,8 +349,7 @@ def _Report(progress):
     return
   first, last = progress.steps[0], progress.steps[-1]
   print(f'trained {FLAGS.model}: steps={last[0]} loss {first[1]:.4f} -> '
-        f'{last[1]:.4f}, {progress.ExamplesPerSecond():.1f} examples/s, '
-        f'checkpoint {checkpoint}')
+        f'{last[1]:.4f}, {progress.Speed().strip()}, checkpoint {checkpoint}')
 
 
 def _CreateLocalEagerDevices(num_devices):
