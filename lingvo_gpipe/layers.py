@@ -76,8 +76,9 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "call is a graph node: the fastest steady step, but the graph, its "
         "trace and XLA compile grow with K x M), 'loop' (while loops over "
         "the clock ticks: the graph does not grow with M; remat='always' "
-        "only) or 'auto' ('loop' when remat='always' and K x M >= "
-        f'{schedule.AUTO_LOOP_MIN_CALLS} or on TPU, else \'unrolled\').')
+        "only) or 'auto' ('loop' when remat='always' and M >= "
+        f'{schedule.AUTO_LOOP_MIN_MICRO_BATCHES} or on TPU, else '
+        "'unrolled').")
     return p
 
   @classmethod

@@ -180,7 +180,7 @@ def testScaleEndToEnd(runs):
   assert loop_lines[0] == loop_lines[1], loop_lines
   assert unrolled_lines[1] > 1.5 * unrolled_lines[0], unrolled_lines
   for row in rows:
-    assert row['auto_engine'] == 'unrolled'  # K x M < 32.
+    assert row['auto_engine'] == 'unrolled'  # M < 16.
     assert row['best_engine'] in ('unrolled', 'loop')
     assert row['auto_cost_ratio'] >= 1.0
     for impl in ('unrolled', 'loop', 'lingvo'):

@@ -237,4 +237,4 @@ def testLayerOnTpuUsesLogicalCores():
     pipe = test_util.PipeParams(test_util.FCCells(), num_stages=4).Instantiate()
     assert pipe.StageDevices() == tpu.TpuStageDevices(4)
     assert pipe.Engine(num_micro_batches=2) == 'loop'
-  assert pipe.Engine(num_micro_batches=2) == 'unrolled'  # CPU, K x M < 32.
+  assert pipe.Engine(num_micro_batches=2) == 'unrolled'  # CPU, M < 16.

@@ -249,8 +249,8 @@ def testPhaseTableRejectsMixedTicks():
 
 
 @pytest.mark.parametrize('engine,k,m,remat,xla,expected', [
-    ('auto', 4, 7, 'always', False, 'unrolled'),
-    ('auto', 4, 8, 'always', False, 'loop'),
+    ('auto', 8, 15, 'always', False, 'unrolled'),
+    ('auto', 2, 16, 'always', False, 'loop'),
     ('auto', 1, 32, 'always', False, 'loop'),
     ('auto', 2, 2, 'always', True, 'loop'),
     ('auto', 8, 64, 'never', False, 'unrolled'),
@@ -259,7 +259,7 @@ def testPhaseTableRejectsMixedTicks():
     ('loop', 1, 1, 'always', False, 'loop'),
 ])
 def testChooseEngine(engine, k, m, remat, xla, expected):
-  assert schedule.AUTO_LOOP_MIN_CALLS == 32
+  assert schedule.AUTO_LOOP_MIN_MICRO_BATCHES == 16
   assert schedule.ChooseEngine(engine, k, m, remat, xla) == expected
 
 

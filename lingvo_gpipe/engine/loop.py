@@ -260,10 +260,23 @@ def _Loop(table: List[List[int]], body, loop_vars, shape_invariants,
     def Body(t, *state, ticks=ticks, busy=busy):
       return [t + 1] + list(body(ticks[t], list(state), busy))
 
+    # The loop starts when the previous one has ended, whatever variable it
+    # reads first: its counter waits for all of them. Unlowered, a While's
+    # outputs appear together anyway; lowered (LOWER_CONTROL_FLOW), each
+    # loop variable leaves its loop on its own, and a stage could start its
+    # next call while its last one still runs.
+    with tf.control_dependencies([
+        v.flow if isinstance(v, tf.TensorArray) else v
+        for v in tf.nest.flatten(loop_vars)
+    ] if i else []):
+      start = tf.identity(tf.constant(0))
     results = tf.while_loop(
         lambda t, *_, n=len(rows): t < n,
-        Body, [tf.constant(0)] + list(loop_vars),
+        Body, [start] + list(loop_vars),
         shape_invariants=[tf.TensorShape([])] + list(shape_invariants),
+        # A tick starts when the previous one has ended, as the unlowered
+        # While runs it; lowered loops would otherwise overlap ticks.
+        parallel_iterations=1,
         maximum_iterations=len(rows),
         name=f'{name}_{i}')
     _KeepUnlowered(results[0], ('While', 'StatelessWhile'))

@@ -27,11 +27,11 @@ IDLE = -1
 ENGINES = ('unrolled', 'loop')
 # The remat modes the loop engine supports: it always re-materializes.
 LOOP_REMAT_MODES = ('always',)
-# 'auto' builds the loop engine once the unrolled graph would hold at least
-# this many stage calls (K * M). Below it the unrolled engine's start-up is
-# short and its steady step is faster; above it the loop engine's constant
-# graph wins on start-up plus steps (measured: docs/benchmarks.md).
-AUTO_LOOP_MIN_CALLS = 32
+# 'auto' builds the loop engine from this many micro-batches on. Measured
+# (docs/benchmarks.md, scale): starting and training 100 steps, the unrolled
+# engine was cheaper at every K in {2, 4, 8} up to M = 8, the loop engine at
+# every K from M = 32 on; the unrolled engine's start-up grows with M.
+AUTO_LOOP_MIN_MICRO_BATCHES = 16
 
 
 class Slot(NamedTuple):
@@ -197,8 +197,9 @@ def ChooseEngine(engine: str,
                  compiled_by_xla: bool = False) -> str:
   """The engine that builds a step: `engine` itself unless it is 'auto'.
 
-  'auto' is 'loop' when remat is 'always' and either K * M >=
-  AUTO_LOOP_MIN_CALLS or the step is compiled by XLA; else 'unrolled'. Under
+  'auto' is 'loop' when remat is 'always' and either M >=
+  AUTO_LOOP_MIN_MICRO_BATCHES or the step is compiled by XLA; else
+  'unrolled'. Under
   XLA the unrolled engine's recompute is merged back into the forward pass
   and saves no memory, the loop engine's is not (docs/engines.md).
 
@@ -223,6 +224,6 @@ def ChooseEngine(engine: str,
     return engine
   if remat in LOOP_REMAT_MODES and (
       compiled_by_xla or
-      num_stages * num_micro_batches >= AUTO_LOOP_MIN_CALLS):
+      num_micro_batches >= AUTO_LOOP_MIN_MICRO_BATCHES):
     return 'loop'
   return 'unrolled'
