@@ -33,10 +33,10 @@ repository's `benchmarks` package each:
           Lingvo's PipeliningLayer, for every K in --scale_stages and M in
           --scale_micro_batches: HLO lines, tf.function trace + first call,
           XLA trace + compile + first call, graph build, first run, steady
-          step and peak memory; the issue #12 targets and a PNG of start-up
-          cost against M (--png_out) (`benchmarks.scale`). Unless given, its
-          flags default to --num_layers=16 --dim=64 --batch=512 --steps=5
-          --repeats=1.
+          step and peak memory; the loop engine's targets and a PNG of
+          start-up cost against M (--png_out) (`benchmarks.scale`). Unless
+          given, its flags default to --num_layers=16 --dim=64 --batch=512
+          --steps=5 --repeats=1.
 
 Every configuration runs in a fresh worker process (`python -m
 benchmarks.worker`), so allocator peaks never leak from one configuration into
@@ -147,8 +147,8 @@ BenchmarkError = runner_lib.BenchmarkError
 # Defaults of the speed subcommand for shared flags the user did not give:
 # a step of about 0.1-0.5 s on 2 cores, so that the whole run stays short.
 _SPEED_DEFAULTS = {'num_layers': 16, 'batch': 2048, 'steps': 5, 'repeats': 2}
-# Defaults of the scale subcommand: the model of issue #12's measurements
-# (16 FCLayers of 64, batch 512), small enough for M = 128 and K = 8.
+# Defaults of the scale subcommand: 16 FCLayers of 64, batch 512, small
+# enough for M = 128 and K = 8 on 2 cores.
 _SCALE_DEFAULTS = {'num_layers': 16, 'dim': 64, 'batch': 512, 'steps': 5,
                    'repeats': 1}
 

@@ -199,9 +199,9 @@ def ChooseEngine(engine: str,
 
   'auto' is 'loop' when remat is 'always' and either M >=
   AUTO_LOOP_MIN_MICRO_BATCHES or the step is compiled by XLA; else
-  'unrolled'. Under
-  XLA the unrolled engine's recompute is merged back into the forward pass
-  and saves no memory, the loop engine's is not (docs/engines.md).
+  'unrolled'. Under XLA the unrolled engine's recompute is merged back into
+  the forward pass and saves no memory, the loop engine's is not
+  (docs/engines.md).
 
   Args:
     engine: 'auto', 'unrolled' or 'loop'.
