@@ -127,7 +127,7 @@ def _Find(rows: List[Dict[str, Any]], k: int, m: int) -> Optional[Dict[str,
 
 
 def Targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-  """The loop engine's targets (docs/engines.md), each with its measured value.
+  """The loop engine's targets, each with its measured value.
 
   Targets whose (K, M) points were not measured are left out.
 

@@ -30,7 +30,7 @@ LOOP_REMAT_MODES = ('always',)
 # 'auto' builds the loop engine from this many micro-batches on. Measured
 # (docs/benchmarks.md, scale): starting and training 100 steps, the unrolled
 # engine was cheaper at every K in {2, 4, 8} up to M = 8, the loop engine at
-# every K from M = 32 on; the unrolled engine's start-up grows with M.
+# every K from M = 16 on; the unrolled engine's start-up grows with M.
 AUTO_LOOP_MIN_MICRO_BATCHES = 16
 
 
