@@ -19,7 +19,9 @@ from lingvo.core import py_utils
 from lingvo.core import tshape
 import numpy as np
 
-METHODS = ('flops', 'params', 'profile')
+from lingvo_gpipe.planning import config
+
+METHODS = config.COST_PARTITIONS
 
 # Timing repetitions of the 'profile' method: the first runs warm up caches and
 # kernels, the median of the rest is the cell's cost.

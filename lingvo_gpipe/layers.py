@@ -25,13 +25,10 @@ from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.engine import placement
 from lingvo_gpipe.engine import tpu
-from lingvo_gpipe.planning import checks
+from lingvo_gpipe.planning import config
 from lingvo_gpipe.planning import partition as partition_lib
 from lingvo_gpipe.planning import report
 from lingvo_gpipe.planning import schedule
-
-_PARTITION_NAMES = ('uniform',) + costs_lib.METHODS
-
 
 class GPipeSequentialLayer(base_layer.BaseLayer):
   """Runs a sequence of cells as a K-stage, M-micro-batch GPipe pipeline."""
@@ -49,9 +46,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         'partition', 'uniform', "How cells are grouped into stages: 'uniform' "
         "(equal cell counts); 'params', 'flops' (Lingvo FPropMeta) or "
         "'profile' (measured forward + backward time on one micro-batch): "
-        'the contiguous split minimizing the most expensive stage; or an '
-        "explicit list of cells per stage. 'flops' and 'profile' are "
-        'computed at the first FProp, from the micro-batch shapes.')
+        'the contiguous split into K * v chunks minimizing the most '
+        'expensive one; or an explicit list of cells per chunk (K * v '
+        "counts). 'flops' and 'profile' are computed at the first FProp, "
+        'from the micro-batch shapes.')
     p.Define(
         'num_micro_batches', 1, 'M, the number of micro-batches each '
         'mini-batch is split into. Must divide the batch size.')
@@ -79,6 +77,14 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "only) or 'auto' ('loop' when remat='always' and M >= "
         f'{schedule.AUTO_LOOP_MIN_MICRO_BATCHES} or on TPU, else '
         "'unrolled').")
+    p.Define(
+        'virtual_stages', 1, 'v, the chunks of cells per device: the cells '
+        'are cut into K * v chunks and chunk c runs on device c mod K, so a '
+        'micro-batch passes the devices v times (circular pipeline). The '
+        'bubble falls to (K - 1) / (M v + K - 1) when K divides M.')
+    p.Define(
+        'schedule', 'gpipe', 'The order of the step, a key of '
+        f'planning.schedule.SCHEDULES: {list(schedule.SCHEDULES)}.')
     return p
 
   @classmethod
@@ -107,7 +113,8 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    self._num_stages, self._partition = self._CheckParams()
+    shape = self._CheckParams()
+    self._num_stages, self._partition = shape.num_stages, shape.counts
     for cell_p in p.cell_tpl:
       self.CreateChild(cell_p.name, cell_p)
     self._cells = [self.children[cell_p.name] for cell_p in p.cell_tpl]
@@ -141,7 +148,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     """Sets the optimal partition for `cell_costs` and logs the plan."""
     memory = costs_lib.CellMemory(self._cells)
     self._partition = partition_lib.PartitionCosts(cell_costs,
-                                                   self._num_stages, memory)
+                                                   self.num_chunks, memory)
     self._LogPlan(cell_costs, memory)
 
   def _LogPlan(self, cell_costs, memory=None):
@@ -155,10 +162,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
             names=[c.params.name for c in self._cells]))
 
   def _CheckParams(self):
-    """Validates the params; returns the partition (cells per stage).
+    """Validates the params (`planning.config.CheckShape`).
 
     Returns:
-      (K, partition): the partition is None until costs are known.
+      The `config.Shape`; its counts are None until costs are known.
 
     Raises:
       ValueError: naming the parameter, its value and what would be valid.
@@ -166,50 +173,35 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     p = self.params
     if not p.cell_tpl:
       raise ValueError('cell_tpl is empty; give at least one cell Params.')
-    names = [c.name for c in p.cell_tpl]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates or not all(names):
-      raise ValueError(f'cell_tpl names {names} must be unique and non-empty; '
-                       f'repeated: {duplicates}.')
-    num_cells = len(names)
-    if isinstance(p.partition, str):
-      if p.partition not in _PARTITION_NAMES:
-        raise ValueError(f'partition={p.partition!r} is not supported; use one '
-                         f'of {list(_PARTITION_NAMES)} or a list of cells per '
-                         'stage.')
-      num_stages = num_cells if p.num_stages is None else p.num_stages
-      partition_lib.CheckNumStages(num_cells, num_stages)
-      counts = (partition_lib.UniformPartition(num_cells, num_stages)
-                if p.partition == 'uniform' else None)
-    else:
-      counts = partition_lib.CheckPartition(p.partition, num_cells,
-                                            p.num_stages)
-      num_stages = len(counts)
-    schedule.CheckEngine(p.engine, p.remat)
-    placement.CheckDevices(p.devices, num_stages)
-    checks.CheckPositiveInt('num_micro_batches', p.num_micro_batches)
-    if p.micro_batch_size is not None:
-      checks.CheckPositiveInt('micro_batch_size', p.micro_batch_size)
-      if p.num_micro_batches != 1:
-        raise ValueError(
-            f'micro_batch_size={p.micro_batch_size} and num_micro_batches='
-            f'{p.num_micro_batches} are both set; set only one of them.')
-    checks.CheckBatchDim(p.batch_dim)
-    return num_stages, counts
+    shape = config.CheckShape(
+        [c.name for c in p.cell_tpl], p.num_stages, p.virtual_stages,
+        p.partition, p.num_micro_batches, p.micro_batch_size, p.batch_dim,
+        p.remat, p.engine, p.schedule)
+    placement.CheckDevices(p.devices, shape.num_stages)
+    return shape
 
   @property
   def partition(self):
-    """Cells per stage (K positive ints); None before a first FProp decides."""
+    """Cells per chunk (K v positive ints; chunk c on device c mod K).
+
+    With v = 1, the cells per stage. None before a first FProp decides a
+    'flops' or 'profile' partition.
+    """
     return None if self._partition is None else list(self._partition)
 
   @property
   def num_stages(self):
     return self._num_stages
 
+  @property
+  def num_chunks(self):
+    """K v."""
+    return self._num_stages * self.params.virtual_stages
+
   def _PartitionFromMicroBatch(self, flat_inputs, num_micro):
     """Decides a 'flops' or 'profile' partition from one micro-batch's shape."""
     p = self.params
-    if self._num_stages == 1:
+    if self.num_chunks == 1:
       self._partition = [len(self._cells)]
       return
     if p.nested_map_fprop:
@@ -230,14 +222,6 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     self._Partition(
         costs_lib.CellCosts(self._cells, p.partition, input_shapes=shapes))
 
-  def _StageCells(self):
-    """The cells of each stage, as lists."""
-    stages, start = [], 0
-    for count in self._partition:
-      stages.append(self._cells[start:start + count])
-      start += count
-    return stages
-
   def NumMicroBatches(self, batch_size):
     """M for a mini-batch of `batch_size` (None if unknown statically).
 
@@ -249,22 +233,11 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
 
     Raises:
       ValueError: if the batch does not split into M (or micro_batch_size)
-        micro-batches.
+        micro-batches, or both are set and their product is not the batch.
     """
     p = self.params
-    if p.micro_batch_size is None:
-      if batch_size is not None:
-        microbatch.MicroBatchSize(batch_size, p.num_micro_batches)
-      return p.num_micro_batches
-    if batch_size is None:
-      raise ValueError(f'micro_batch_size={p.micro_batch_size} needs a static '
-                       'batch size; the inputs have none. Set '
-                       'num_micro_batches instead.')
-    if batch_size % p.micro_batch_size:
-      raise ValueError(
-          f'micro_batch_size={p.micro_batch_size} does not divide the batch '
-          f'size {batch_size}; use a divisor of {batch_size}.')
-    return batch_size // p.micro_batch_size
+    return config.NumMicroBatches(batch_size, p.num_micro_batches,
+                                  p.micro_batch_size)
 
   def StageDevices(self):
     """The device of every stage (see `placement.StageDevices`).
@@ -305,9 +278,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
                                  p.remat, compiled_by_xla=py_utils.use_tpu())
 
   def BubbleFraction(self, batch_size):
-    """The idle fraction (K - 1) / (M + K - 1) of a step with this batch."""
+    """The idle fraction (K - 1) / (M v + K - 1) of a step with this batch."""
     return schedule.BubbleFraction(self.num_stages,
-                                   self.NumMicroBatches(batch_size))
+                                   self.NumMicroBatches(batch_size),
+                                   self.params.virtual_stages)
 
   def FProp(self, theta, *args):
     """Runs the cells as a pipeline.
@@ -340,8 +314,8 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     if not training and self.num_stages == 1:
       num_micro = 1  # Without a backward pass there is nothing to overlap.
 
-    stage_cells = self._StageCells()
-    boundaries = (cells_lib.StageBoundaries(self.num_stages, args[0])
+    stage_cells = config.ChunkCells(self._cells, self._partition)
+    boundaries = (cells_lib.StageBoundaries(self.num_chunks, args[0])
                   if p.nested_map_fprop else None)
     stage_fns = [
         cells_lib.StageFunction(cells, boundaries, k)
@@ -363,6 +337,8 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         batch_dim=p.batch_dim,
         remat=p.remat,
         engine=self.Engine(num_micro),
+        schedule=p.schedule,
+        virtual_stages=p.virtual_stages,
         name='gpipe')
     outputs, states = engine(
         thetas,

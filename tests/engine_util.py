@@ -4,7 +4,6 @@ TensorFlow and numpy only; no Lingvo (the engine tests must run without it).
 """
 
 import collections
-import contextlib
 import re
 
 import numpy as np
@@ -62,35 +61,17 @@ def AssertTransparent(actual_values, expected_values, tol=1e-5):
       assert err < tol, f'tensor {i}: relative error {err}'
 
 
-@contextlib.contextmanager
 def ObservableLoops(engine):
-  """With engine='loop', builds loops whose kernels show in step stats.
-
-  The loop engine's While and If ops normally run as function calls, whose
-  kernels RunMetadata does not report; lowered to Switch/Merge they run the
-  same ops on the same devices, and step stats list them.
-
-  Args:
-    engine: 'unrolled' (nothing changes) or 'loop'.
-
-  Yields:
-    Nothing.
-  """
-  saved = loop.LOWER_CONTROL_FLOW
-  loop.LOWER_CONTROL_FLOW = engine == 'loop'
-  try:
-    yield
-  finally:
-    loop.LOWER_CONTROL_FLOW = saved
+  """With engine='loop', builds loops whose kernels show in step stats."""
+  return loop.ObservableLoops(lowered=engine == 'loop')
 
 
 def LoopCallDevices(graph):
-  """{(phase, stage): devices} of the loop engine's stage calls in `graph`.
+  """{(phase, chunk): devices} of the loop engine's chunk calls in `graph`.
 
-  Calls on ticks where some stage idles sit in the branches of per-stage
-  conds, functions named '...stage<k>_<phase>_true_...'; calls on ticks where
-  every stage works sit in a loop body ('..._<phase>_<i>_body_...') as
-  'stage<k>/...' nodes.
+  Each tick's call of chunk c is a node 'chunk<c>/StatefulPartitionedCall'
+  in a loop body ('..._<phase>_<i>_body_...') or in a branch of a device's
+  cond or switch ('...device<k>_<phase>_...').
 
   Args:
     graph: A graph with the loop engine's loops (TF1 or tf.function's).
@@ -100,16 +81,13 @@ def LoopCallDevices(graph):
   """
   devices = collections.defaultdict(set)
   for function in graph.as_graph_def().library.function:
-    name = function.signature.name
-    branch = re.search(r'stage(\d+)_(forward|backward)_true', name)
-    body = re.search(r'(forward|backward)_\d+_body', name)
+    phase = re.search(r'(?:^|_)(forward|backward)_',
+                      function.signature.name)
+    if not phase:
+      continue
     for node in function.node_def:
-      if node.op != 'StatefulPartitionedCall':
-        continue
-      if branch:
-        devices[branch.group(2), int(branch.group(1))].add(node.device)
-      elif body:
-        stage = re.search(r'stage(\d+)/', node.name)
-        assert stage, (name, node.name)
-        devices[body.group(1), int(stage.group(1))].add(node.device)
+      chunk = re.search(r'(?:^|/)chunk(\d+)/StatefulPartitionedCall$',
+                        node.name)
+      if node.op == 'StatefulPartitionedCall' and chunk:
+        devices[phase.group(1), int(chunk.group(1))].add(node.device)
   return dict(devices)

@@ -184,7 +184,7 @@ def test_stage_k_runs_on_cpu_k(trained):
   """
   call_devices = collections.defaultdict(set)
   for op in trained.graph.get_operations():
-    match = re.search(r'stage(\d)', op.name)
+    match = re.search(r'chunk(\d)', op.name)
     if match and op.type in ('StatefulPartitionedCall', 'PartitionedCall'):
       call_devices[int(match.group(1))].add(op.device)
   assert {k: sorted(v) for k, v in call_devices.items()} == {

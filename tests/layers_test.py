@@ -305,13 +305,25 @@ def testPartitionPlanIsLoggedOnce(partition, num_stages, logged_at_init,
     (dict(partition=[1, 2]), r'partition=\[1, 2\] sums to 3 but there are 4'),
     (dict(partition=[4, 0]), r'partition=\[4, 0\] must be a non-empty list of '
      'positive ints'),
-    (dict(partition=[2, 2], num_stages=3), 'has 2 stages but num_stages=3'),
+    (dict(partition=[2, 2], num_stages=3), r'partition=\[2, 2\] has 2 '
+     'entries but num_stages=3 and virtual_stages=1 make 3 chunks'),
     (dict(partition='magic'), "partition='magic' is not supported"),
     (dict(remat='sometimes'), "remat='sometimes' is not supported; use one of"),
     (dict(num_stages=2, devices=['/cpu:0']),
      r"devices=\['/cpu:0'\] must be a list of 2 device strings"),
     (dict(num_micro_batches=0), 'num_micro_batches=0 must be a positive int'),
-    (dict(micro_batch_size=2, num_micro_batches=2), 'set only one'),
+    (dict(virtual_stages=0), 'virtual_stages=0 must be a positive int'),
+    (dict(num_stages=2, virtual_stages=3), 'virtual_stages=3 with '
+     r'num_stages=2 needs 6 chunks .* there are 4 cells; use virtual_stages '
+     '<= 2'),
+    (dict(num_stages=None, virtual_stages=3), r'virtual_stages=3 with '
+     r'num_stages=None \(one chunk per cell\) needs a multiple of 3 cells'),
+    (dict(partition=[1, 1, 2], virtual_stages=2), r'partition=\[1, 1, 2\] '
+     'has 3 chunks, not a multiple of virtual_stages=2'),
+    (dict(partition=[1, 1, 1, 1], num_stages=1, virtual_stages=2),
+     'has 4 entries but num_stages=1 and virtual_stages=2 make 2 chunks'),
+    (dict(schedule='zigzag'), "schedule='zigzag' is not supported; use one "
+     r"of \['gpipe'"),
     (dict(engine='fast'), "engine='fast' is not supported; use one of "
      r"\['auto', 'unrolled', 'loop'\]"),
     (dict(engine='loop', remat='never'),
@@ -474,6 +486,9 @@ def testBadInputsFailNamingTheParameter(name):
      'batch size 16'),
     (dict(micro_batch_size=5), 16, 'micro_batch_size=5 does not divide the '
      'batch size 16'),
+    (dict(micro_batch_size=2, num_micro_batches=4), 16, 'num_micro_batches=4 '
+     'and micro_batch_size=2 are both set, but their product is not the '
+     'batch size 16'),
 ])
 def testBadBatchFailsBeforeBuildingThePipeline(kwargs, batch, message,
                                                engine):
@@ -493,6 +508,11 @@ def testMicroBatchSizeSetsM():
                               micro_batch_size=4).Instantiate()
   assert pipe.NumMicroBatches(16) == 4
   assert pipe.BubbleFraction(16) == pytest.approx(1 / 5)
+  # Both, as Lingvo's PipeliningLayer accepts them: their product is the batch.
+  pipe = test_util.PipeParams(test_util.FCCells(), num_stages=2,
+                              num_micro_batches=8,
+                              micro_batch_size=2).Instantiate()
+  assert pipe.NumMicroBatches(16) == 8
 
 
 def _UnevenFCCells():

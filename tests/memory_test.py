@@ -16,6 +16,7 @@ import pytest
 from lingvo import compat as tf
 
 from lingvo_gpipe.engine import trace
+from lingvo_gpipe.planning import schedule
 import engine_util
 import test_util
 
@@ -37,7 +38,9 @@ def testUnrolledStageCallsRunInScheduleOrder(remat):
   """
   _, step_stats = test_util.TracedFCStep(remat, NUM_MICRO_BATCHES)
   events, _ = trace.StepEvents(
-      trace.StepKernels(step_stats), NUM_STAGES, NUM_MICRO_BATCHES, remat)
+      trace.StepKernels(step_stats),
+      schedule.BuildTable('gpipe', NUM_STAGES, NUM_MICRO_BATCHES), remat,
+      'unrolled')
   windows = {(e.stage, e.micro_batch, e.phase): (e.start, e.end)
              for e in events}
   for k in range(NUM_STAGES):
@@ -65,7 +68,7 @@ def testLoopStageRecomputesEachCallRightBeforeItsGradient():
   stage's device, in the order they started: first the forward pass's ReLUs
   of all micro-batches, then for each micro-batch its recomputed ReLU
   directly followed by its weight gradient. Which micro-batch each tick
-  takes is the tick table (`schedule.PhaseTable`, schedule_test.py).
+  takes is the schedule table (`schedule.BuildTable`, schedule_test.py).
   """
   with engine_util.ObservableLoops('loop'):
     _, step_stats = test_util.TracedFCStep('always', NUM_MICRO_BATCHES,

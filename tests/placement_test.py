@@ -23,7 +23,7 @@ def testStageCallsArePlacedOnTheirDevices():
   devices = collections.defaultdict(set)
   for op in graph.get_operations():
     if op.type in ('StatefulPartitionedCall', 'PartitionedCall'):
-      devices[re.search(r'stage(\d)', op.name).group(1)].add(op.device)
+      devices[re.search(r'chunk(\d)', op.name).group(1)].add(op.device)
   assert {k: sorted(v) for k, v in devices.items()} == {
       str(k): [f'/device:CPU:{k}'] for k in range(4)}
 
@@ -219,7 +219,7 @@ def testStageOpsArePlacedOnTpuCores(num_stages, lingvo_cluster):
     tf.gradients(tf.reduce_sum(y * y), pipe.vars.Flatten())
   devices = collections.defaultdict(set)
   for op in graph.get_operations():
-    match = re.match(r'(gradients/)?gpipe/stage(\d+)(_\d+)?/', op.name)
+    match = re.match(r'(gradients/)?gpipe/chunk(\d+)_mb\d+/', op.name)
     if match:
       devices[(int(match.group(2)), bool(match.group(1)))].add(op.device)
   assert dict(devices) == {

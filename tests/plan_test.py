@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from lingvo_gpipe.planning import schedule
 import tool_util
 
 # Every test reads the runs of plan.py subprocesses.
@@ -42,6 +43,24 @@ RUNS = {
         '--cells_per_stage=1', '--fc_dim=8', '--micro_batch_size=2',
         '--warmup_steps=1', '--png_out={tmp}/timeline.png',
         '--trace_out={tmp}/timeline.json', '--json_out={tmp}/tl_numbers.json'
+    ],
+    # Circular: 4 chunks on 2 devices, each half a stage.
+    'simulate_circular': [
+        'simulate', '--forward_costs=0.5', '--num_stages=2',
+        '--virtual_stages=2', '--num_micro_batches=2', '--engine=loop',
+        '--json_out={tmp}/circular.json', '--trace_out={tmp}/circular.json.trace'
+    ],
+    # The loop engine ('auto' from M = 16), and a circular step on it.
+    'timeline_auto': [
+        'timeline', '--num_stages=2', '--num_micro_batches=16',
+        '--cells_per_stage=1', '--fc_dim=8', '--micro_batch_size=1',
+        '--warmup_steps=1', '--json_out={tmp}/tl_auto.json'
+    ],
+    'timeline_circular': [
+        'timeline', '--num_stages=2', '--virtual_stages=2',
+        '--num_micro_batches=4', '--engine=loop', '--cells_per_stage=1',
+        '--fc_dim=8', '--micro_batch_size=2', '--warmup_steps=1',
+        '--json_out={tmp}/tl_circular.json'
     ],
     'simulate_no_m': ['simulate', '--forward_costs=1,2'],
     'simulate_mismatch': ['simulate', '--forward_costs=1,2', '--num_stages=3',
@@ -112,7 +131,7 @@ def testTransformerExample(runs):
      "['partition', 'simulate', 'timeline']"),
     ('simulate_no_m', '--num_micro_batches (M) is required'),
     ('simulate_mismatch', '--forward_costs has 2 entries but there are 3 '
-     'stages'),
+     'chunks (K x --virtual_stages)'),
     ('simulate_bad_remat', '--remat'),
     ('timeline_no_k', '--num_stages (K) is required'),
 ])
@@ -136,6 +155,7 @@ def _TraceEvents(path):
       args = e['args']
       assert e['tid'] == args['stage']
       assert e['name'] == f'{args["phase"]} {args["micro_batch"]}'
+      assert args['chunk'] == args['stage']
       key = (args['stage'], args['micro_batch'], args['phase'])
       assert key not in events
       events[key] = (e['ts'], e['ts'] + e['dur'])
@@ -152,12 +172,12 @@ def _IsPng(path):
 def testSimulate(runs):
   code, stdout, stderr = runs['simulate']
   assert code == 0, stderr
-  assert 'step time: 44 (forward pass 11, backward pass 33)' in stdout
-  assert ('bubble fraction: 0.2727 (closed form (K-1)/(M+K-1) = 0.2727'
+  assert 'step time: 44 (forwards end at 11)' in stdout
+  assert ('bubble fraction: 0.2727 (closed form (K-1)/(M v+K-1) = 0.2727'
           in stdout)
-  rows = re.findall(r'^\s+(\d+)\s+1\s+2\s+0.727\s+1  8 inputs \+ '
+  rows = re.findall(r'^\s+(\d+)\s+(\d+)\s+0.727\s+1  8 inputs \+ '
                     r'activations of 1 call$', stdout, re.MULTILINE)
-  assert rows == ['0', '1', '2', '3']
+  assert rows == [('0', '0'), ('1', '1'), ('2', '2'), ('3', '3')]
   # Peak memory says its unit.
   assert ("peak memory in units of one call's activations (inputs count 0); "
           'give --input_memory and --activation_memory, e.g. in MiB, for '
@@ -182,19 +202,39 @@ def testSimulateUnevenStages(runs):
   code, stdout, stderr = runs['simulate_uneven']
   assert code == 0, stderr
   # Hand-computed in schedule_test.testSimulateUnevenStagesByHand.
-  assert 'step time: 17 (forward pass 7, backward pass 10)' in stdout
+  assert 'step time: 17 (forwards end at 7)' in stdout
   assert 'bubble fraction: 0.4118' in stdout
   # Without remat every call keeps its input (10) and activations.
-  assert re.search(r'^\s+1\s+3\s+4\s+0.824\s+620  2 inputs \+ activations '
+  assert re.search(r'^\s+1\s+1\s+0.824\s+620  2 inputs \+ activations '
                    r'of 2 calls$', stdout, re.MULTILINE), stdout
   assert ('peak memory in the unit of --input_memory and --activation_memory '
           '(defaults 0 and 1)\n') in stdout
 
 
+def testSimulateCircular(runs):
+  """K = 2, v = 2, M = 2: 5 ticks of 0.5 + 1.5 a phase; bubble 1/5."""
+  code, stdout, stderr = runs['simulate_circular']
+  assert code == 0, stderr
+  assert 'step time: 10 (forwards end at 2.5)' in stdout
+  assert 'bubble fraction: 0.2000 (closed form (K-1)/(M v+K-1) = 0.2000' in (
+      stdout)
+  assert re.findall(r'^\s+(\d)\s+(\d,\d)\s+0.800', stdout,
+                    re.MULTILINE) == [('0', '0,2'), ('1', '1,3')]
+  with open(os.path.join(runs['tmp'], 'circular.json')) as f:
+    numbers = json.load(f)
+  assert (numbers['engine'], numbers['virtual_stages']) == ('loop', 2)
+  with open(os.path.join(runs['tmp'], 'circular.json.trace')) as f:
+    names = [e['name'] for e in json.load(f)['traceEvents']
+             if e['ph'] == 'X' and e['tid'] == 0]
+  assert names[:4] == ['forward 0.0', 'forward 0.1', 'forward 2.0',
+                       'forward 2.1']
+
+
 def testTimelineOfARealStep(runs):
   code, stdout, stderr = runs['timeline']
   assert code == 0, stderr
-  assert 'stage 0: F0 F1 F2' in stdout and 'stage 1: F0 F1 F2' in stdout
+  assert 'stage 0: F0.0 F0.1 F0.2 R0.2 B0.2' in stdout
+  assert 'stage 1: F1.0 F1.1 F1.2 R1.2 B1.2' in stdout
   assert _IsPng(os.path.join(runs['tmp'], 'timeline.png'))
   events, names = _TraceEvents(os.path.join(runs['tmp'], 'timeline.json'))
   assert names == ['stage 0', 'stage 1']
@@ -202,7 +242,7 @@ def testTimelineOfARealStep(runs):
   for phase in ('forward', 'recompute', 'backward'):  # remat='always'.
     assert sorted((k, m) for k, m, p in events if p == phase) == [
         (k, m) for k in range(num_stages) for m in range(num_micro)]
-  # The forward pass ran as schedule.GPipeSchedule says: each stage takes
+  # The forward pass ran as the GPipe table says: each stage takes
   # its micro-batches in order, and stage k starts micro-batch m only after
   # stage k - 1 has finished it.
   for k in range(num_stages):
@@ -222,9 +262,38 @@ def testTimelineOfARealStep(runs):
   # The simulator replays the measured mean call times, one device per stage.
   assert 0 < numbers['simulated_step_time']
   assert 0 < numbers['simulated_bubble_fraction'] < 1
-  assert re.search(r'^simulated from the mean call times: step [\d.]+ \w+, '
-                   r'bubble fraction [\d.]+; measured / simulated step: '
-                   r'[\d.]+$', stdout, re.MULTILINE)
+  assert re.search(r'^simulated from the mean call times \(unrolled engine\): '
+                   r'step [\d.]+ \w+, bubble fraction [\d.]+; measured / '
+                   r'simulated step: [\d.]+$', stdout, re.MULTILINE)
+
+
+@pytest.mark.parametrize('name, engine, order', [
+    ('timeline_auto', 'loop', ['F0.0', 'F0.1', 'F0.2']),
+    ('timeline_circular', 'loop', ['F0.0', 'F0.1', 'F2.0', 'F2.1', 'F0.2']),
+])
+def testTimelineOfTheLoopEngine(runs, name, engine, order):
+  """Both engines and circular steps are traced; calls follow the table."""
+  code, stdout, stderr = runs[name]
+  assert code == 0, stderr
+  assert f'{engine} engine (loops lowered)' in stdout
+  assert re.search(r'^  stage 0: ' + ' '.join(order) + ' ', stdout,
+                   re.MULTILINE), stdout
+  with open(os.path.join(runs['tmp'], f'tl_{name[9:]}.json')) as f:
+    numbers = json.load(f)
+  assert numbers['engine'] == engine
+  table = schedule.BuildTable('gpipe', 2, numbers['num_micro_batches'],
+                              numbers['virtual_stages'])
+  # Every call of the table, once per phase (recompute: remat 'always').
+  calls = sorted((e['chunk'], e['micro_batch'], e['phase'])
+                 for e in numbers['events'])
+  assert calls == sorted(
+      (c, m, p) for c in range(table.num_chunks)
+      for m in range(table.num_micro_batches) for p in schedule.PHASES)
+  for k in range(2):  # Each device ran its calls in table order.
+    ran = [(e['phase'], e['chunk'], e['micro_batch'])
+           for e in numbers['events']
+           if e['stage'] == k and e['phase'] != 'recompute']
+    assert ran == [tuple(a) for a in table.device_orders[k]]
 
 
 def _Cpu(k):

@@ -96,7 +96,7 @@ def testWholeTrainStepUnderXlaEqualsWithout(num_stages, num_micro_batches,
 def _CallDevices(graph):
   """{(replica, stage or None): devices} of the pipeline's function calls.
 
-  Forward calls are named ".../gpipe/stage<k>/...", backward (recompute)
+  Forward calls are named ".../gpipe/chunk<k>_mb<m>/...", backward (recompute)
   calls belong to the stage whose forward function they differentiate, which
   their name does not say, so they are collected under None.
 
@@ -111,7 +111,7 @@ def _CallDevices(graph):
     if op.type != 'StatefulPartitionedCall':
       continue
     replica = int(re.match(r'(replica_(\d+)/)?', op.name).group(2) or 0)
-    stage = re.search(r'gpipe/stage(\d+)', op.name)
+    stage = re.search(r'gpipe/chunk(\d+)', op.name)
     devices[(replica, stage and int(stage.group(1)))].add(op.device)
   return dict(devices)
 

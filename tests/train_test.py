@@ -377,7 +377,7 @@ _TRANSFER_OPS = ('_Send', '_Recv', '_HostSend', '_HostRecv', 'Identity',
 def _StageCall(node):
   """(tower, stage) of a kernel run inside a forward stage call, or None."""
   call = re.search(
-      r'/tower_0_(\d)/gpipe/stage(\d)_\d+/StatefulPartitionedCall/',
+      r'/tower_0_(\d)/gpipe/chunk(\d)_mb\d+/StatefulPartitionedCall/',
       node.node_name)
   op_type = re.search(r'= (\w+)\(', node.timeline_label)
   if call and op_type and op_type.group(1) not in _TRANSFER_OPS:
@@ -495,8 +495,9 @@ def testEagerLauncherRunsStageKOnCpuK(tmp_path):
   for function in metadata.function_graphs:
     for partition in function.partition_graphs:
       for node in partition.node:
-        call = re.search(r'/gpipe/stage(\d)(_\d+)?/StatefulPartitionedCall/',
-                         node.name)
+        call = re.search(
+            r'/gpipe/chunk(\d)_mb\d+(_\d+)?/StatefulPartitionedCall/',
+            node.name)
         if call and node.op not in _TRANSFER_OPS:
           stages[node.device].add(int(call.group(1)))
   assert dict(stages) == {device: {k}

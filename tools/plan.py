@@ -5,6 +5,8 @@
     python tools/plan.py partition --example=transformer --json_out=/tmp/p.json
     python tools/plan.py simulate --forward_costs=1 --num_stages=4 \
         --num_micro_batches=8 --png_out=/tmp/sim.png
+    python tools/plan.py simulate --forward_costs=0.5 --num_stages=2 \
+        --virtual_stages=2 --num_micro_batches=2
     python tools/plan.py timeline --num_stages=4 --num_micro_batches=8 \
         --png_out=/tmp/timeline.png --trace_out=/tmp/timeline.json
 
@@ -12,14 +14,18 @@ Subcommands (the first argument that is not a flag):
   partition  For each K, the stages chosen by `partition.PartitionCosts`
              (their cells, cost, share, memory, imbalance) next to Lingvo's
              heuristic (`gpipe.PartitionSequentialLayers`).
-  simulate   Times one step from per-stage forward/backward costs with
-             `simulate.Simulate`: step time, bubble fraction (next to the
-             closed form), per-stage utilization and peak activation memory;
-             optionally draws the schedule (--png_out, --trace_out).
+  simulate   Times one step of a schedule table (`schedule.BuildTable`:
+             --schedule, K, M, --virtual_stages) from per-chunk
+             forward/backward costs with `simulate.Simulate`, as the chosen
+             --engine runs it: step time, bubble fraction (next to the
+             closed form), per-device utilization and peak activation
+             memory; optionally draws the step (--png_out, --trace_out).
   timeline   Runs a real training step of a small GPipeSequentialLayer (FC
-             cells, K stages on K logical CPU devices, TF1 session with
-             FULL_TRACE) and shows which stage ran which micro-batch and
-             phase when: a table, and the same picture and trace as simulate.
+             cells, K devices on K logical CPU devices, TF1 session with
+             FULL_TRACE; the loop engine with its loops lowered, so that the
+             trace shows them) and shows which chunk ran which micro-batch
+             and phase when: a table, the simulator fed with the measured
+             call times, and the same picture and trace as simulate.
 
 Pictures (--png_out) have one row per stage and a box per call phase
 (forward, recompute, backward), labelled with its micro-batch. Traces
@@ -87,15 +93,31 @@ flags.DEFINE_list(
     "tables (default 'cell0', 'cell1', ...; the examples name their cells).")
 flags.DEFINE_list(
     'forward_costs', None, 'simulate: the forward time of one micro-batch on '
-    'each stage, comma-separated (any unit, e.g. seconds), or one value for '
-    'every stage of --num_stages.')
+    'each chunk (K v values; K stages when v = 1), comma-separated (any '
+    'unit, e.g. seconds), or one value for every chunk of --num_stages.')
 flags.DEFINE_list(
     'backward_costs', None, 'simulate: the backward time of one micro-batch '
-    'on each stage, without the recompute (which costs the forward time), or '
+    'on each chunk, without the recompute (which costs the forward time), or '
     'one value for all. Default: twice the forward costs.')
 flags.DEFINE_integer(
     'num_micro_batches', None, 'simulate, timeline: M, the number of '
     'micro-batches per step (required).', lower_bound=1)
+flags.DEFINE_integer(
+    'virtual_stages', 1, 'simulate, timeline: v, the chunks per device (K v '
+    'chunks, chunk c on device c mod K: a circular pipeline when v > 1).',
+    lower_bound=1)
+flags.DEFINE_enum(
+    'schedule', 'gpipe', list(schedule.SCHEDULES), 'simulate, timeline: the '
+    'schedule table of the step.')
+flags.DEFINE_enum(
+    'engine', 'auto', ['auto'] + list(schedule.ENGINES), 'simulate: the '
+    "engine whose timing to model: 'unrolled' (each call starts as soon as it "
+    "can) or 'loop' (ticks in lockstep: a tick ends when its slowest call "
+    "ends). timeline: the engine that builds the traced step. 'auto': the "
+    "one GPipeSequentialLayer's engine='auto' picks for K, M and --remat.")
+flags.DEFINE_float(
+    'tick_overhead', 0.0, 'simulate with --engine=loop: the cost of one tick '
+    'beyond its work (same unit as the costs).', lower_bound=0.0)
 flags.DEFINE_enum(
     'remat', 'always', schedule.REMAT_MODES, 'simulate, timeline: which calls '
     "recompute their forward pass in the backward pass: 'always', "
@@ -106,15 +128,16 @@ flags.DEFINE_float(
     'costs).', lower_bound=0.0)
 flags.DEFINE_list(
     'input_memory', None, 'simulate: optional size (e.g. bytes) of one '
-    'micro-batch input of each stage, or one value for all. Default 0: peak '
+    'micro-batch input of each chunk, or one value for all. Default 0: peak '
     'memory counts only full activations.')
 flags.DEFINE_list(
     'activation_memory', None, 'simulate: optional size (e.g. bytes) of the '
-    'activations one call of each stage keeps for its backward pass (without '
+    'activations one call of each chunk keeps for its backward pass (without '
     'its input), or one value for all. Default 1: peak memory is in units of '
-    "one micro-batch's stage activations.")
+    "one micro-batch's chunk activations.")
 flags.DEFINE_integer(
-    'cells_per_stage', 2, 'timeline: FC cells (Lingvo FCLayer) per stage.',
+    'cells_per_stage', 2, 'timeline: FC cells (Lingvo FCLayer) per chunk '
+    '(per stage when v = 1).',
     lower_bound=1)
 flags.DEFINE_integer(
     'fc_dim', 256, 'timeline: input and output size of every FC cell.',
@@ -274,18 +297,18 @@ def _OneStageCount(subcommand: str) -> Optional[int]:
   return None if counts is None else counts[0]
 
 
-def _PerStage(flag: str, values: Optional[Sequence[str]],
-              num_stages: int) -> Optional[List[float]]:
-  """Parses a per-stage list flag; a single value is repeated K times."""
+def _PerChunk(flag: str, values: Optional[Sequence[str]],
+              num_chunks: int) -> Optional[List[float]]:
+  """Parses a per-chunk list flag; a single value is repeated K v times."""
   numbers = _Numbers(flag, values)
   if numbers is None:
     return None
   if len(numbers) == 1:
-    return numbers * num_stages
-  if len(numbers) != num_stages:
+    return numbers * num_chunks
+  if len(numbers) != num_chunks:
     raise PlanError(f'--{flag} has {len(numbers)} entries but there are '
-                    f'{num_stages} stages; give one per stage or a single '
-                    'value for all.')
+                    f'{num_chunks} chunks (K x --virtual_stages); give one '
+                    'per chunk or a single value for all.')
   return numbers
 
 
@@ -309,10 +332,29 @@ def _WriteOutputs(events: Sequence[simulate.Event], num_stages: int,
 
 
 def _Bubble(num_stages: int, num_micro: int, bubble: float) -> str:
-  """The bubble fraction next to the closed form (K - 1) / (M + K - 1)."""
-  closed = schedule.BubbleFraction(num_stages, num_micro)
-  return (f'bubble fraction: {bubble:.4f} (closed form (K-1)/(M+K-1) = '
-          f'{closed:.4f}, exact for equal stages without transfer cost)')
+  """The bubble fraction next to the closed form (K - 1) / (M v + K - 1)."""
+  closed = schedule.BubbleFraction(num_stages, num_micro,
+                                   FLAGS.virtual_stages)
+  return (f'bubble fraction: {bubble:.4f} (closed form (K-1)/(M v+K-1) = '
+          f'{closed:.4f}, exact for equal chunks without transfer cost)')
+
+
+def _Engine(num_stages: int, num_micro: int) -> str:
+  """--engine, with 'auto' resolved as the layer resolves it on CPU."""
+  try:
+    return schedule.ChooseEngine(FLAGS.engine, num_stages, num_micro,
+                                 FLAGS.remat)
+  except ValueError as e:
+    raise PlanError(str(e)) from e
+
+
+def _Table(num_stages: int, num_micro: int) -> schedule.Table:
+  """The --schedule table for K, M and --virtual_stages."""
+  try:
+    return schedule.BuildTable(FLAGS.schedule, num_stages, num_micro,
+                               FLAGS.virtual_stages)
+  except ValueError as e:
+    raise PlanError(str(e)) from e
 
 
 def _MemoryUnit() -> str:
@@ -342,53 +384,69 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
   if FLAGS.forward_costs is None:
     raise PlanError('--forward_costs is required, e.g. --forward_costs=1,1,2 '
                     'or --forward_costs=1 --num_stages=4.')
-  num_stages = _OneStageCount('simulate') or len(FLAGS.forward_costs)
-  forward = _PerStage('forward_costs', FLAGS.forward_costs, num_stages)
-  backward = (_PerStage('backward_costs', FLAGS.backward_costs, num_stages)
+  virtual = FLAGS.virtual_stages
+  num_stages = _OneStageCount('simulate')
+  if num_stages is None:
+    if len(FLAGS.forward_costs) % virtual:
+      raise PlanError(f'--forward_costs has {len(FLAGS.forward_costs)} '
+                      f'entries, not a multiple of --virtual_stages={virtual}'
+                      '; give one per chunk, or --num_stages.')
+    num_stages = len(FLAGS.forward_costs) // virtual
+  num_chunks = num_stages * virtual
+  forward = _PerChunk('forward_costs', FLAGS.forward_costs, num_chunks)
+  backward = (_PerChunk('backward_costs', FLAGS.backward_costs, num_chunks)
               or [2 * f for f in forward])
-  input_memory = _PerStage('input_memory', FLAGS.input_memory, num_stages)
-  activation_memory = _PerStage('activation_memory', FLAGS.activation_memory,
-                                num_stages)
+  input_memory = _PerChunk('input_memory', FLAGS.input_memory, num_chunks)
+  activation_memory = _PerChunk('activation_memory', FLAGS.activation_memory,
+                                num_chunks)
   num_micro = _NumMicroBatches()
+  table = _Table(num_stages, num_micro)
+  engine = _Engine(num_stages, num_micro)
   try:
-    sim = simulate.Simulate(forward, backward, num_micro, FLAGS.remat,
+    sim = simulate.Simulate(table, forward, backward, FLAGS.remat,
                             FLAGS.transfer_cost, input_memory,
-                            activation_memory)
+                            activation_memory, lockstep=engine == 'loop',
+                            tick_overhead=FLAGS.tick_overhead)
   except ValueError as e:
     raise PlanError(str(e)) from e
-  print(f'Simulated GPipe step: K={num_stages} stages, M={num_micro} '
-        f'micro-batches, remat={FLAGS.remat}, transfer cost '
+  shape = (f'K={num_stages}, v={virtual}, M={num_micro}, remat={FLAGS.remat},'
+           f' {engine} engine')
+  print(f'Simulated {FLAGS.schedule} step: {shape}, transfer cost '
         f'{FLAGS.transfer_cost:g}')
-  print(f'step time: {sim.step_time:.6g} (forward pass {sim.forward_time:.6g}'
-        f', backward pass {sim.step_time - sim.forward_time:.6g})')
+  print(f'step time: {sim.step_time:.6g} (forwards end at '
+        f'{sim.forward_time:.6g})')
   print(_Bubble(num_stages, num_micro, sim.bubble_fraction))
-  print('stage   forward  backward  utilization  peak memory  held then')
+  print('stage  chunks  utilization  peak memory  held then')
   for k in range(num_stages):
-    print(f'{k:5d}  {forward[k]:8.4g}  {backward[k]:8.4g}  '
-          f'{sim.utilization[k]:11.3f}  {sim.peak_memory[k]:11.4g}  '
+    chunks = ','.join(str(c) for c in range(k, num_chunks, num_stages))
+    print(f'{k:5d}  {chunks:>6}  {sim.utilization[k]:11.3f}  '
+          f'{sim.peak_memory[k]:11.4g}  '
           f'{sim.peak_inputs[k]} inputs + activations of '
           f'{sim.peak_activations[k]} call'
           f'{"" if sim.peak_activations[k] == 1 else "s"}')
   print(_MemoryUnit())
-  if FLAGS.png_out or FLAGS.trace_out:  # Events are built on first use.
-    _WriteOutputs(sim.events, num_stages,
-                  f'Simulated GPipe step: K={num_stages}, M={num_micro}, '
-                  f'remat={FLAGS.remat}, bubble {sim.bubble_fraction:.3f}',
-                  (1.0, 'unit of the costs'))
+  _WriteOutputs(sim.events, num_stages,
+                f'Simulated {FLAGS.schedule} step: {shape}, bubble '
+                f'{sim.bubble_fraction:.3f}', (1.0, 'unit of the costs'))
   return {
       'subcommand': 'simulate',
+      'schedule': FLAGS.schedule,
+      'num_stages': num_stages,
+      'virtual_stages': virtual,
+      'engine': engine,
       'forward_costs': forward,
       'backward_costs': backward,
       'num_micro_batches': num_micro,
       'remat': FLAGS.remat,
       'transfer_cost': FLAGS.transfer_cost,
+      'tick_overhead': FLAGS.tick_overhead,
       'input_memory': input_memory,
       'activation_memory': activation_memory,
       'step_time': sim.step_time,
       'forward_time': sim.forward_time,
       'bubble_fraction': sim.bubble_fraction,
       'closed_form_bubble_fraction': schedule.BubbleFraction(
-          num_stages, num_micro),
+          num_stages, num_micro, virtual),
       'utilization': sim.utilization,
       'peak_memory': sim.peak_memory,
       'peak_inputs': sim.peak_inputs,
@@ -414,55 +472,63 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   if num_stages is None:
     raise PlanError('--num_stages (K) is required, e.g. --num_stages=4.')
   num_micro = _NumMicroBatches()
-  remat = FLAGS.remat
+  remat, virtual = FLAGS.remat, FLAGS.virtual_stages
+  engine = _Engine(num_stages, num_micro)
+  _Table(num_stages, num_micro)  # Checks the sizes before building anything.
   try:
     traced = traced_step.TraceStep(num_stages, num_micro, remat,
                                    FLAGS.cells_per_stage, FLAGS.fc_dim,
-                                   FLAGS.micro_batch_size, FLAGS.warmup_steps)
+                                   FLAGS.micro_batch_size, FLAGS.warmup_steps,
+                                   engine, virtual)
   except ValueError as e:
     raise PlanError(str(e)) from e
   events, devices = traced.events, traced.devices
   occupancy, means, sim = (traced.occupancy, traced.mean_durations,
                            traced.simulated)
   factor, unit = timeline.TimeUnit(occupancy.step_time)
-  print(f'Traced GPipe step: K={num_stages} stages on {num_stages} CPU '
-        f'devices, M={num_micro} micro-batches, remat={remat}, '
-        f'{FLAGS.cells_per_stage} FC cells of {FLAGS.fc_dim} per stage, '
-        f'micro-batch size {FLAGS.micro_batch_size}')
-  print(f'step time (first to last stage call): '
+  shape = f'K={num_stages}, v={virtual}, M={num_micro}, remat={remat}'
+  print(f'Traced {FLAGS.schedule} step, {engine} engine'
+        f'{" (loops lowered)" if engine == "loop" else ""}: {shape}, '
+        f'{num_stages} CPU devices, {FLAGS.cells_per_stage} FC cells of '
+        f'{FLAGS.fc_dim} per chunk, micro-batch size {FLAGS.micro_batch_size}')
+  print(f'step time (first to last call): '
         f'{occupancy.step_time * factor:.4g} {unit}')
   print(_Bubble(num_stages, num_micro, occupancy.bubble_fraction))
   print('Order of calls per stage (F forward, R recompute, B backward; '
-        'micro-batch):')
+        '<chunk>.<micro-batch>):')
   for k in range(num_stages):
-    order = ' '.join(f'{e.phase[0].upper()}{e.micro_batch}'
+    order = ' '.join(f'{e.phase[0].upper()}{e.chunk}.{e.micro_batch}'
                      for e in events if e.stage == k)
     print(f'  stage {k}: {order}')
-  print(f'stage  utilization  mean forward  mean recompute  mean backward '
-        f'({unit})  devices')
-  for k in range(num_stages):
-    cells = [f'{means[phase][k] * factor:.4g}' if means[phase][k] else '-'
+  print(f'chunk  stage  mean forward  mean recompute  mean backward ({unit})')
+  for c in range(traced.table.num_chunks):
+    cells = [f'{means[phase][c] * factor:.4g}' if means[phase][c] else '-'
              for phase in schedule.PHASES]
-    print(f'{k:5d}  {occupancy.utilization[k]:11.3f}  {cells[0]:>12}  '
-          f'{cells[1]:>14}  {cells[2]:>13}       '
+    print(f'{c:5d}  {traced.table.Device(c):5d}  {cells[0]:>12}  '
+          f'{cells[1]:>14}  {cells[2]:>13}')
+  print('stage  utilization  devices')
+  for k in range(num_stages):
+    print(f'{k:5d}  {occupancy.utilization[k]:11.3f}  '
           f'{", ".join(d.split("/")[-1] for d in devices[k])}')
-  print(f'simulated from the mean call times: step '
+  print(f'simulated from the mean call times ({engine} engine): step '
         f'{sim.step_time * factor:.4g} {unit}, bubble fraction '
         f'{sim.bubble_fraction:.3f}; measured / simulated step: '
         f'{occupancy.step_time / sim.step_time:.2f}')
   _WriteOutputs(events, num_stages,
-                f'Traced GPipe step: K={num_stages}, M={num_micro}, '
-                f'remat={remat}, bubble {occupancy.bubble_fraction:.3f}',
-                (factor, unit))
+                f'Traced {FLAGS.schedule} step, {engine} engine: {shape}, '
+                f'bubble {occupancy.bubble_fraction:.3f}', (factor, unit))
   return {
       'subcommand': 'timeline',
+      'schedule': FLAGS.schedule,
+      'engine': engine,
       'num_stages': num_stages,
+      'virtual_stages': virtual,
       'num_micro_batches': num_micro,
       'remat': remat,
       'step_time': occupancy.step_time,
       'bubble_fraction': occupancy.bubble_fraction,
       'closed_form_bubble_fraction': schedule.BubbleFraction(
-          num_stages, num_micro),
+          num_stages, num_micro, virtual),
       'utilization': occupancy.utilization,
       'simulated_step_time': sim.step_time,
       'simulated_bubble_fraction': sim.bubble_fraction,

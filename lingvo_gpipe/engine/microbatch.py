@@ -12,6 +12,8 @@ from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf
 
+from lingvo_gpipe.planning import config
+
 MaybeTensor = Optional[tf.Tensor]
 
 
@@ -28,15 +30,7 @@ def MicroBatchSize(batch_size: int, num_micro_batches: int) -> int:
   Raises:
     ValueError: if M is not in [1, batch_size] or does not divide the batch.
   """
-  if num_micro_batches > batch_size:
-    raise ValueError(
-        f'num_micro_batches={num_micro_batches} is larger than the batch size '
-        f'{batch_size}; use a value in [1, {batch_size}].')
-  if batch_size % num_micro_batches:
-    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    raise ValueError(
-        f'num_micro_batches={num_micro_batches} does not divide the batch size '
-        f'{batch_size}; valid values are {divisors}.')
+  config.CheckSplit(batch_size, num_micro_batches)
   return batch_size // num_micro_batches
 
 

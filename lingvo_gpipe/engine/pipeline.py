@@ -1,22 +1,25 @@
-"""The GPipe engine: K stage functions run over M micro-batches on K devices.
+"""The pipeline engine: C chunk functions run over M micro-batches on K devices.
 
-Knows TensorFlow, not Lingvo. A stage function maps
+Knows TensorFlow, not Lingvo. A stage (chunk) function maps
 `(theta, inputs, state, micro_batch_id)` to `(outputs, state)` (see
-`stage.py`). The engine splits the inputs into micro-batches, calls stage k on
-micro-batch m under `tf.device(devices[k])` in the order of the GPipe
-schedule (`planning.schedule`), optionally re-materializes each call in the
-backward pass, and concatenates the last stage's outputs back in order.
-Gradients of the M micro-batches add up to the gradient of the mini-batch, so
-the step is the same as without the pipeline. It builds in TF1 graph mode,
-inside `tf.function` and under XLA (`jit_compile=True`).
+`stage.py`). The engine splits the inputs into micro-batches, runs chunk c on
+micro-batch m under `tf.device(devices[c mod K])` in the order of a schedule
+table (`planning.schedule`: GPipe, circular when there are v > 1 chunks per
+device), re-materializes calls in the backward pass as the remat mode says,
+and concatenates the last chunk's outputs back in order. Gradients of the M
+micro-batches add up to the gradient of the mini-batch, so the step is the
+same as without the pipeline. It builds in TF1 graph mode, inside
+`tf.function` and under XLA (`jit_compile=True`).
 
-Two engines build the same step: 'unrolled' (`unrolled.py`, K x M calls in
-the graph) and 'loop' (`loop.py`, while loops over clock ticks: the graph
-does not grow with M).
+Two engines build the same step from the same table: 'unrolled'
+(`unrolled.py`, C x M calls in the graph) and 'loop' (`loop.py`, while loops
+over the table's ticks: the graph does not grow with M).
 
-    pipe = Pipeline([stage0_fn, stage1_fn], devices=['/cpu:0', '/cpu:1'],
-                    num_micro_batches=4, remat='always', engine='loop')
-    outputs, states = pipe([theta0, theta1], [x], step=global_step)
+    pipe = Pipeline([fn0, fn1, fn2, fn3], devices=['/cpu:0', '/cpu:1'],
+                    num_micro_batches=4, remat='always', engine='loop',
+                    virtual_stages=2)
+    outputs, states = pipe([theta0, theta1, theta2, theta3], [x],
+                           step=global_step)
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -28,17 +31,17 @@ from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import stage as stage_lib
 from lingvo_gpipe.engine import unrolled
 from lingvo_gpipe.planning import checks
-from lingvo_gpipe.planning import schedule
+from lingvo_gpipe.planning import schedule as schedule_lib
 
 # The engines by name (`schedule.ENGINES`): the same step, built two ways.
 _ENGINES = {'unrolled': unrolled.Run, 'loop': loop.Run}
-assert tuple(_ENGINES) == schedule.ENGINES
+assert tuple(_ENGINES) == schedule_lib.ENGINES
 
 
 def RematModes(engine: str) -> Tuple[str, ...]:
   """The remat modes `engine` supports."""
-  return (schedule.LOOP_REMAT_MODES if engine == 'loop' else
-          schedule.REMAT_MODES)
+  return (schedule_lib.LOOP_REMAT_MODES if engine == 'loop' else
+          schedule_lib.REMAT_MODES)
 
 
 class Pipeline:
@@ -51,6 +54,7 @@ class Pipeline:
     batch_dim: The dimension inputs are split along and outputs merged along.
     remat: 'always', 'except_last' or 'never'.
     engine: 'unrolled' or 'loop'.
+    table: The schedule table of a training step (`planning.schedule`).
   """
 
   def __init__(self,
@@ -60,39 +64,51 @@ class Pipeline:
                batch_dim: int = 0,
                remat: str = 'always',
                engine: str = 'unrolled',
+               schedule: str = 'gpipe',
+               virtual_stages: int = 1,
                name: str = 'gpipe'):
-    """Checks the configuration; builds nothing yet.
+    """Checks the configuration and builds the schedule table; no graph yet.
 
     Args:
-      stage_fns: K stage functions, see `stage.py`.
-      devices: K device strings, one per stage.
+      stage_fns: C = K v chunk functions, see `stage.py`; chunk c runs on
+        devices[c mod K].
+      devices: K device strings.
       num_micro_batches: M >= 1.
       batch_dim: The batch dimension of every input and output.
       remat: Which calls recompute their forward pass in the backward pass:
-        'always', 'except_last' (all but the last micro-batch) or 'never'.
-      engine: 'unrolled' or 'loop' (which supports remat 'always' and
-        'never').
+        'always', 'except_last' or 'never' (`planning.schedule.RecomputedCalls`).
+      engine: 'unrolled' or 'loop' (which supports remat 'always').
+      schedule: A key of `planning.schedule.SCHEDULES`.
+      virtual_stages: v, the chunks per device.
       name: Name scope of the pipeline's ops.
 
     Raises:
-      ValueError: on an empty stage list, a device list of another length, a
-        non-positive M, a negative batch_dim, an unknown remat mode or
-        engine, or a remat mode the engine does not support.
+      ValueError: on an empty stage list, a number of stage functions other
+        than K v, a non-positive M or v, a negative batch_dim, an unknown
+        remat mode, engine or schedule, or a remat mode or schedule the
+        engine does not support.
     """
     if not stage_fns:
       raise ValueError('stage_fns is empty; a pipeline needs at least 1 stage.')
-    if len(devices) != len(stage_fns):
-      raise ValueError(f'devices has {len(devices)} entries {list(devices)} '
-                       f'but there are {len(stage_fns)} stages; give one '
-                       'device per stage.')
+    checks.CheckPositiveInt('virtual_stages', virtual_stages)
+    if not devices or len(devices) * virtual_stages != len(stage_fns):
+      raise ValueError(
+          f'devices has {len(devices)} entries {list(devices)} but there are '
+          f'{len(stage_fns)} stage functions and virtual_stages='
+          f'{virtual_stages}; give one device per {virtual_stages} stage '
+          'functions.')
     checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
     checks.CheckBatchDim(batch_dim)
     if engine == 'auto':
       raise ValueError("engine='auto' is the layer's choice; give the engine "
-                       f'{list(schedule.ENGINES)} (schedule.ChooseEngine).')
-    schedule.CheckEngine(engine, remat)
+                       f'{list(schedule_lib.ENGINES)} (schedule.ChooseEngine).')
+    schedule_lib.CheckEngine(engine, remat)
+    self.table = schedule_lib.BuildTable(schedule, len(devices),
+                                         num_micro_batches, virtual_stages)
+    if engine == 'unrolled':
+      unrolled.CheckTable(self.table)
     self._stage_fns = list(stage_fns)
-    self.num_stages = len(stage_fns)
+    self.num_stages = len(devices)
     self.devices = list(devices)
     self.num_micro_batches = num_micro_batches
     self.batch_dim = batch_dim
@@ -110,44 +126,47 @@ class Pipeline:
     """Builds one pipelined pass.
 
     Args:
-      thetas: K nests of weights (tensors or variables), one per stage.
+      thetas: C nests of weights (tensors or variables), one per chunk.
       inputs: The mini-batch inputs, tensors or None.
-      states: K nests of initial stage states (default: empty).
+      states: C nests of initial chunk states (default: empty).
       step: Integer scalar; micro-batch m of this call gets the id
         step * M + m (default step 0).
       training: If False, nothing is set up for recompute.
 
     Returns:
-      (outputs, states): the last stage's outputs merged along batch_dim, and
-      each stage's state after the last micro-batch.
+      (outputs, states): the last chunk's outputs merged along batch_dim, and
+      each chunk's state after its last micro-batch.
 
     Raises:
-      ValueError: if thetas or states do not have K entries, or the batch does
+      ValueError: if thetas or states do not have C entries, or the batch does
         not split into M micro-batches.
     """
-    num_stages, num_micro = self.num_stages, self.num_micro_batches
-    if len(thetas) != num_stages:
+    num_chunks, num_micro = len(self._stage_fns), self.num_micro_batches
+    if len(thetas) != num_chunks:
       raise ValueError(f'thetas has {len(thetas)} entries, expected '
-                       f'{num_stages}.')
-    states = list(states) if states is not None else [()] * num_stages
-    if len(states) != num_stages:
+                       f'{num_chunks}.')
+    states = list(states) if states is not None else [()] * num_chunks
+    if len(states) != num_chunks:
       raise ValueError(f'states has {len(states)} entries, expected '
-                       f'{num_stages}.')
+                       f'{num_chunks}.')
     batch = microbatch.StaticBatchSize(inputs, self.batch_dim)
     if batch is not None:
       microbatch.MicroBatchSize(batch, num_micro)
+    # Eval has no backward: the forward of a GPipe table of the same shape.
+    table = self.table if training else schedule_lib.BuildTable(
+        'gpipe', self.num_stages, num_micro, self.table.virtual_stages)
 
     with tf.name_scope(self._name):
       with tf.device(self.devices[0]):
         first_id = (tf.constant(0, tf.int64) if step is None else
                     tf.cast(step, tf.int64) * num_micro)
       # The unrolled engine's forward calls are inlined into this graph.
-      stages = [
-          stage_lib.Stage(fn, f'stage {k}', device,
+      chunks = [
+          stage_lib.Stage(fn, f'stage {c}', self.devices[table.Device(c)],
                           pin_forward=self.engine == 'unrolled')
-          for k, (fn, device) in enumerate(zip(self._stage_fns, self.devices))
+          for c, fn in enumerate(self._stage_fns)
       ]
       return _ENGINES[self.engine](
-          stages, thetas, inputs, states, num_micro_batches=num_micro,
+          chunks, thetas, inputs, states, table=table,
           batch_dim=self.batch_dim, remat=self.remat, first_id=first_id,
           training=training)

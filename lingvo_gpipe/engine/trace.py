@@ -1,13 +1,26 @@
-"""Reading a traced step: which stage ran which micro-batch and phase when.
+"""Reading a traced step: which chunk ran which micro-batch and phase when.
 
-Knows the op names the unrolled engine gives its calls (`pipeline.py`: name
-scope '<pipeline name>/stage<k>' for the m-th call of stage k, '_<m>' suffixed
-for m > 0; the backward under 'gradients/.../<op>_grad'), so that tools can
-turn `RunMetadata.step_stats` of a training step into `simulate.Event`s.
+Turns `RunMetadata.step_stats` of a training step into `simulate.Event`s, for
+either engine and any schedule table:
+
+* unrolled: the call of chunk c on micro-batch m runs under the name scope
+  '<pipeline>/chunk<c>_mb<m>' (`unrolled.py`); its forward kernels are
+  inlined ('.../chunk<c>_mb<m>/StatefulPartitionedCall/<body node>') or the
+  call itself, its backward is the gradient function of that call
+  ('gradients/.../chunk<c>_mb<m>/<op>_grad/StatefulPartitionedCall');
+* loop: each tick's call of chunk c is a function call named
+  '.../<forward|backward>_<i>/.../chunk<c>/StatefulPartitionedCall'
+  (`loop.py`), visible in step stats when the loops are lowered
+  (`loop.LOWER_CONTROL_FLOW`); the n-th call of chunk c in a phase is the
+  n-th action of chunk c in that phase of the table.
+
+A call's window runs from its first kernel's start to its last kernel's end.
+For calls that recompute, the recompute is the part of the backward call up
+to the end of the last kernel that repeats a forward kernel of the same
+chunk (same node name inside the function), and the backward the rest.
 
     kernels = StepKernels(run_metadata.step_stats)
-    events, devices = StepEvents(kernels, num_stages=4, num_micro=8,
-                                 remat='always')
+    events, devices = StepEvents(kernels, table, remat='always')
 """
 
 import collections
@@ -27,19 +40,19 @@ class Kernel(NamedTuple):
   end: int  # Microseconds.
 
 
-# Name scope of the engine's ops (`GPipeSequentialLayer` passes 'gpipe'); the
-# m-th call of stage k runs under 'stage{k}' (m = 0) or 'stage{k}_{m}'.
-_STAGE_SCOPE = r'gpipe/stage(\d+)(?:_(\d+))?/'
 _CALL = r'((?:Stateful)?PartitionedCall(?:_\d+)?)(?:/(.+))?$'
-# Forward: the stage's tf.function call, inlined (its body kernels are named
-# <scope>/StatefulPartitionedCall/<body node>) or not (the call node itself).
-_FORWARD_RE = re.compile(r'(?:.*/)?' + _STAGE_SCOPE + _CALL)
-# Backward: the gradient function of that call (recompute.py's or
-# TensorFlow's), named gradients/.../<scope>/<op>_grad/StatefulPartitionedCall.
-# Not inlined, its body kernels show their own names (e.g. 'fc0/MatMul' for
-# the recompute, 'gradients/fc0/MatMul_grad/MatMul' for the backward).
-_BACKWARD_RE = re.compile(r'gradients(?:_\d+)?/(?:.*/)?' + _STAGE_SCOPE +
-                          r'[^/]+_grad/' + _CALL)
+# Unrolled forward: the chunk's tf.function call, inlined (its body kernels
+# are named <scope>/StatefulPartitionedCall/<body node>) or not.
+_UNROLLED_FORWARD_RE = re.compile(r'(?:.*/)?chunk(\d+)_mb(\d+)(?:_\d+)?/' +
+                                  _CALL)
+# Unrolled backward: the gradient function of that call (recompute.py's or
+# TensorFlow's). Not inlined, its body kernels show their own names.
+_UNROLLED_BACKWARD_RE = re.compile(
+    r'gradients(?:_\d+)?/(?:.*/)?chunk(\d+)_mb(\d+)(?:_\d+)?/[^/]+_grad/' +
+    _CALL)
+# Loop: a chunk's call in a tick of the forward or backward loops.
+_LOOP_CALL_RE = re.compile(r'(?:.*/)?(forward|backward)_\d+/(?:.*/)?chunk(\d+)/'
+                           r'(?:Stateful)?PartitionedCall$')
 # Op types that do no work of a call (transfers, graph plumbing).
 _PLUMBING_OPS = frozenset(['_Send', '_Recv', '_HostSend', '_HostRecv', 'NoOp',
                            '_Arg', '_Retval', 'Identity', 'IdentityN'])
@@ -79,83 +92,124 @@ def _Window(kernels: Sequence[Kernel]) -> Tuple[int, int]:
   return min(k.start for k in kernels), max(k.end for k in kernels)
 
 
-def StepEvents(kernels: Sequence[Kernel], num_stages: int, num_micro: int,
-               remat: str
-              ) -> Tuple[List[simulate.Event], Dict[int, List[str]]]:
-  """Which stage ran which micro-batch and phase when, in a traced step.
+class _Calls:
+  """The kernels of each call, by (phase, chunk, micro-batch).
 
-  A call's forward spans the kernels of its (inlined) forward function; its
-  backward spans its gradient function call. For calls that recompute, the
-  recompute is the part of the gradient call up to the end of the last kernel
-  that repeats a forward kernel of the same stage (same node name inside the
-  function), and the backward the rest (if no such kernel shows, the whole
-  call counts as backward).
+  Attributes:
+    kernels: {(phase, chunk, micro_batch): kernels of the call}.
+    inner: {(phase, chunk, micro_batch): (name inside the call, kernel)} for
+      kernels named after their call (the unrolled engine's).
+  """
+
+  def __init__(self):
+    self.kernels = collections.defaultdict(list)
+    self.inner = collections.defaultdict(list)
+
+
+def _UnrolledCalls(kernels: Sequence[Kernel]) -> _Calls:
+  calls = _Calls()
+  for kernel in kernels:
+    match = _UNROLLED_BACKWARD_RE.match(kernel.name)
+    phase = schedule.BACKWARD
+    if not match and not kernel.name.startswith('gradients'):
+      match = _UNROLLED_FORWARD_RE.match(kernel.name)
+      phase = schedule.FORWARD
+    if match:
+      key = (phase, int(match.group(1)), int(match.group(2)))
+      calls.kernels[key].append(kernel)
+      if match.group(4):
+        calls.inner[key].append((match.group(4), kernel))
+  return calls
+
+
+def _LoopCalls(kernels: Sequence[Kernel], table: schedule.Table) -> _Calls:
+  """Loop calls: the n-th call of a chunk in a phase is its n-th action."""
+  calls = _Calls()
+  found = collections.defaultdict(list)
+  for kernel in kernels:
+    match = _LOOP_CALL_RE.match(kernel.name)
+    if match:
+      found[match.group(1), int(match.group(2))].append(kernel)
+  orders = collections.defaultdict(list)
+  for tick in table.ticks:
+    for action in tick:
+      if action is not None:
+        orders[action.phase, action.chunk].append(action.micro_batch)
+  for (phase, c), call_kernels in found.items():
+    call_kernels.sort(key=lambda k: k.start)
+    for kernel, m in zip(call_kernels, orders[phase, c]):
+      calls.kernels[phase, c, m].append(kernel)
+  return calls
+
+
+def StepEvents(kernels: Sequence[Kernel], table: schedule.Table, remat: str,
+               engine: str) -> Tuple[List[simulate.Event], Dict[int,
+                                                                List[str]]]:
+  """Which chunk ran which micro-batch and phase when, in a traced step.
 
   Args:
     kernels: From `StepKernels`.
-    num_stages: K.
-    num_micro: M.
+    table: The schedule the step ran.
     remat: The pipeline's remat mode.
+    engine: 'unrolled' or 'loop' (traced with lowered loops).
 
   Returns:
     (events, devices): the events with times in seconds from the step's first
-    event, ordered by stage and start; and for each stage, the devices its
-    kernels ran on.
+    event, ordered by device (stage) and start; and for each device, the
+    devices its calls' kernels ran on.
 
   Raises:
     ValueError: if a call's kernels are missing from the trace.
   """
-  forward = collections.defaultdict(list)
-  backward = collections.defaultdict(list)
-  inlined_backward = collections.defaultdict(list)
-  body_names = collections.defaultdict(set)
-  for kernel in kernels:
-    match = _BACKWARD_RE.match(kernel.name)
-    if match:
-      key = (int(match.group(1)), int(match.group(2) or 0))
-      backward[key].append(kernel)
-      if match.group(4):
-        inlined_backward[key].append((match.group(4), kernel))
-      continue
-    match = (None if kernel.name.startswith('gradients')
-             else _FORWARD_RE.match(kernel.name))
-    if match:
-      k = int(match.group(1))
-      forward[k, int(match.group(2) or 0)].append(kernel)
-      if match.group(4):
-        body_names[k].add(match.group(4))
+  calls = (_UnrolledCalls(kernels) if engine == 'unrolled' else
+           _LoopCalls(kernels, table))
   by_device = collections.defaultdict(list)
   for kernel in kernels:
     by_device[kernel.device].append(kernel)
+  recomputes = schedule.RecomputedCalls(table, remat)
+  # The kernel names of each chunk's forward body: inner names (unrolled) or
+  # the kernels inside the forward calls' windows on their device (loop).
+  body_names = collections.defaultdict(set)
+  for (phase, c, m), call_kernels in calls.kernels.items():
+    if phase != schedule.FORWARD:
+      continue
+    body_names[c].update(name for name, _ in calls.inner[phase, c, m])
+    start, end = _Window(call_kernels)
+    body_names[c].update(k.name for k in by_device[call_kernels[0].device]
+                         if start <= k.start and k.end <= end and
+                         k not in call_kernels)
 
   raw, devices = [], collections.defaultdict(set)
-  for k in range(num_stages):
-    for m in range(num_micro):
-      for phase, calls in (('forward', forward), ('backward', backward)):
-        if not calls.get((k, m)):
-          raise ValueError(
-              f'no {phase} kernels of stage {k}, micro-batch {m} in the step '
-              "stats; the engine's op names may have changed (expected "
-              "'gpipe/stage<k>_<m>/StatefulPartitionedCall...' and "
-              "'gradients/.../gpipe/stage<k>_<m>/<op>_grad/"
-              "StatefulPartitionedCall...').")
-        devices[k].update(kernel.device for kernel in calls[k, m])
-      raw.append((k, m, 'forward') + _Window(forward[k, m]))
-      start, end = _Window(backward[k, m])
-      if schedule.Recomputes(remat, m, num_micro):
-        call_device = backward[k, m][0].device
-        repeats = [kernel for name, kernel in inlined_backward[k, m]
-                   if name in body_names[k]]
-        repeats += [kernel for kernel in by_device[call_device]
+  for tick in table.ticks:
+    for k, action in enumerate(tick):
+      if action is None:
+        continue
+      phase, c, m = action
+      key = (phase, c, m)
+      if not calls.kernels.get(key):
+        raise ValueError(
+            f'no {phase} kernels of chunk {c}, micro-batch {m} in the step '
+            f"stats of the {engine} engine; its op names may have changed "
+            '(see lingvo_gpipe/engine/trace.py), or loops ran unlowered.')
+      call_kernels = calls.kernels[key]
+      devices[k].update(kernel.device for kernel in call_kernels)
+      start, end = _Window(call_kernels)
+      if phase == schedule.BACKWARD and recomputes[c, m]:
+        device = call_kernels[0].device
+        repeats = [kernel for name, kernel in calls.inner[key]
+                   if name in body_names[c]]
+        repeats += [kernel for kernel in by_device[device]
                     if start <= kernel.start and kernel.end <= end and
-                    kernel.name in body_names[k]]
+                    kernel.name in body_names[c]]
         if repeats:
           split = max(kernel.end for kernel in repeats)
-          raw.append((k, m, 'recompute', start, split))
+          raw.append((k, c, m, 'recompute', start, split))
           start = split
-      raw.append((k, m, 'backward', start, end))
-  first = min(r[3] for r in raw)
-  events = [simulate.Event(k, m, phase, (s - first) * 1e-6, (e - first) * 1e-6)
-            for k, m, phase, s, e in raw]
+      raw.append((k, c, m, phase, start, end))
+  first = min(r[4] for r in raw)
+  events = [
+      simulate.Event(k, c, m, phase, (s - first) * 1e-6, (e - first) * 1e-6)
+      for k, c, m, phase, s, e in raw
+  ]
   events.sort(key=lambda e: (e.stage, e.start))
   return events, {k: sorted(d) for k, d in devices.items()}

@@ -1,11 +1,16 @@
-"""The unrolled engine: every (stage, micro-batch) call is its own graph node.
+"""The unrolled engine: every (chunk, micro-batch) call is its own graph node.
 
-K x M calls of the K stage bodies (each body traced once per stage), ordered
-by `stage.py`'s chains and re-materialized by `recompute.py`. The steady step
-is the fastest on few micro-batches, but the graph, its trace and its XLA
-compile grow with K x M; the loop engine (`loop.py`) does not.
+C x M calls of the C chunk bodies (each body traced once per chunk), built in
+the order of the schedule table's forward actions, ordered on each device by
+`stage.py`'s chains and re-materialized by `recompute.py`. TensorFlow's
+gradient of the chained calls runs each device's backward calls in the
+reverse order of its forward calls, so this engine runs tables whose
+backward is their forward reversed on every device (GPipe's, circular too).
+The steady step is the fastest on few micro-batches, but the graph, its
+trace and its XLA compile grow with C x M; the loop engine (`loop.py`) does
+not.
 
-    outputs, states = Run(stages, thetas, inputs, states, num_micro_batches=4,
+    outputs, states = Run(chunks, thetas, inputs, states, table=table,
                           batch_dim=0, remat='always', first_id=id0,
                           training=True)
 """
@@ -19,45 +24,81 @@ from lingvo_gpipe.engine import stage as stage_lib
 from lingvo_gpipe.planning import schedule
 
 
-def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
-        inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
-        num_micro_batches: int, batch_dim: int, remat: str,
-        first_id: tf.Tensor,
-        training: bool) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
-  """Builds the K x M stage calls of one step in `schedule.GPipeSchedule` order.
+def CheckTable(table: schedule.Table) -> None:
+  """Raises ValueError unless each device's backward is its forward reversed.
 
   Args:
-    stages: K stages, each with its device.
-    thetas: K nests of weights.
+    table: The schedule.
+
+  Raises:
+    ValueError: naming the schedule and the first device that differs.
+  """
+  for k, order in enumerate(table.device_orders):
+    calls = [(a.phase, a.chunk, a.micro_batch) for a in order]
+    forward = [c for c in calls if c[0] == schedule.FORWARD]
+    backward = [(schedule.FORWARD,) + c[1:] for c in calls[len(forward):]]
+    if backward != forward[::-1]:
+      raise ValueError(
+          f"engine='unrolled' runs schedules in which each device runs all "
+          f'its forwards, then their backwards in reverse order (the order '
+          f"TensorFlow's gradient of chained calls takes); "
+          f'schedule={table.schedule!r} does not on device {k}; use '
+          "engine='loop'.")
+
+
+def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
+        inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
+        table: schedule.Table, batch_dim: int, remat: str,
+        first_id: tf.Tensor,
+        training: bool) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
+  """Builds the C x M chunk calls of one step in table order.
+
+  Args:
+    chunks: C = K v chunks, each with its device.
+    thetas: C nests of weights.
     inputs: The mini-batch inputs, tensors or None.
-    states: K nests of initial stage states.
-    num_micro_batches: M.
+    states: C nests of initial chunk states.
+    table: The schedule (see `CheckTable`).
     batch_dim: The dimension inputs are split and outputs merged along.
     remat: One of `schedule.REMAT_MODES`.
     first_id: int64 id of micro-batch 0; micro-batch m gets first_id + m.
     training: If False, no call is set up for recompute.
 
   Returns:
-    (outputs, states): the last stage's outputs merged along batch_dim and
-    each stage's state after the last micro-batch.
+    (outputs, states): the last chunk's outputs merged along batch_dim and
+    each chunk's state after its last micro-batch.
+
+  Raises:
+    ValueError: if the table's backward is not its forward reversed.
   """
-  num_stages, num_micro = len(stages), num_micro_batches
+  CheckTable(table)
+  num_micro, num_chunks = table.num_micro_batches, table.num_chunks
+  recomputes = schedule.RecomputedCalls(table, remat)
+  forward = [(k, a) for tick in table.ticks for k, a in enumerate(tick)
+             if a is not None and a.phase == schedule.FORWARD]
+  last_call = {a.chunk: a.micro_batch for _, a in forward}
   states = list(states)
-  with tf.device(stages[0].device):
+  with tf.device(chunks[0].device):
     micro_inputs = microbatch.Split(inputs, num_micro, batch_dim)
-  chains = []
-  for s, theta in zip(stages, thetas):
+  # One token per device orders its calls, whichever chunk they belong to;
+  # each chunk passes its own weights along its calls.
+  tokens, thetas_passed = [None] * table.num_devices, []
+  for c, (s, theta) in enumerate(zip(chunks, thetas)):
     with tf.device(s.device):
-      chains.append(s.StartChain(theta))
-  outputs = [[None] * num_micro for _ in range(num_stages)]
-  for tick in schedule.GPipeSchedule(num_stages, num_micro):
-    for k, m in tick:
-      x = micro_inputs[m] if k == 0 else outputs[k - 1][m]
-      with tf.device(stages[k].device), tf.name_scope(f'stage{k}'):
-        outputs[k][m], states[k], chains[k] = stages[k].Call(
-            chains[k], x, states[k], first_id + m,
-            remat=training and schedule.Recomputes(remat, m, num_micro),
-            last=m == num_micro - 1)
-  with tf.device(stages[-1].device):
-    merged = microbatch.Merge(outputs[-1], batch_dim)
+      chain = s.StartChain(theta)
+    thetas_passed.append(chain.theta)
+    k = table.Device(c)
+    tokens[k] = chain.token if tokens[k] is None else tokens[k]
+  outputs = {}
+  for k, (_, c, m) in forward:
+    x = micro_inputs[m] if c == 0 else outputs.pop((c - 1, m))
+    with tf.device(chunks[c].device), tf.name_scope(f'chunk{c}_mb{m}'):
+      outputs[c, m], states[c], chain = chunks[c].Call(
+          stage_lib.Chain(tokens[k], thetas_passed[c]), x, states[c],
+          first_id + m, remat=training and recomputes[c, m],
+          last=m == last_call[c])
+    tokens[k], thetas_passed[c] = chain.token, chain.theta
+  with tf.device(chunks[-1].device):
+    merged = microbatch.Merge(
+        [outputs[num_chunks - 1, m] for m in range(num_micro)], batch_dim)
   return merged, states

@@ -1,27 +1,40 @@
-"""The GPipe schedule: which stage runs which micro-batch at which clock tick.
+"""Pipeline schedules as data: one table per schedule, and its validator.
 
-Pure Python, no TensorFlow. The engine builds its graph in this order; the
-arithmetic users plan with (bubble fraction, ticks per step) and the rule of
-which calls re-materialize live here too.
+Pure Python, no TensorFlow. A schedule is a `Table`: per clock tick, per
+device, at most one `Action` (a phase of one chunk on one micro-batch). The
+cells are cut into C = K * v chunks; chunk c runs on device c mod K, so with
+v > 1 virtual stages a micro-batch passes the devices v times (the circular
+order of Praxis). Every reader of a step takes its order from a table: both
+engines build their calls from it, the simulator times it, the memory model
+walks it, the timeline draws it. `Validate` checks every table before use.
 
-    >>> GPipeSchedule(num_stages=2, num_micro_batches=3)
-    [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(1, 2)]]
-    >>> BubbleFraction(num_stages=4, num_micro_batches=12)
-    0.2
+    >>> table = BuildTable('gpipe', num_devices=2, num_micro_batches=2)
+    >>> [[str(a) for a in tick] for tick in table.ticks]
+    [['F0.0', '-'], ['F0.1', 'F1.0'], ['-', 'F1.1'], ['-', 'B1.1'],
+     ['B0.1', 'B1.0'], ['B0.0', '-']]
+
+(`F<chunk>.<micro-batch>` is a forward, `B...` a backward, `-` idle.) The
+rule of which calls re-materialize, the engines' names and 'auto' live here
+too, so that there is one definition of each.
 """
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+import dataclasses
+import functools
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from lingvo_gpipe.planning import checks
 
 # Which stage calls recompute their forward pass in the backward pass.
 REMAT_MODES = ('always', 'except_last', 'never')
 
-# The phases of a stage call, in the order they run.
-PHASES = ('forward', 'recompute', 'backward')
+# The phases an `Action` of a table can have.
+FORWARD = 'forward'
+BACKWARD = 'backward'  # The whole backward of a call, recompute included.
+ACTION_PHASES = (FORWARD, BACKWARD)
 
-# Idle: no micro-batch at this tick (a `PhaseTable` entry).
-IDLE = -1
+# The phases of a stage call as they run and are timed (`simulate.Event`): a
+# backward action that re-materializes runs 'recompute', then 'backward'.
+PHASES = ('forward', 'recompute', 'backward')
 
 # The engines that build a step (see lingvo_gpipe.engine), and 'auto'.
 ENGINES = ('unrolled', 'loop')
@@ -34,61 +47,409 @@ LOOP_REMAT_MODES = ('always',)
 AUTO_LOOP_MIN_MICRO_BATCHES = 16
 
 
-class Slot(NamedTuple):
-  """What one stage does at one clock tick: a phase on a micro-batch.
-
-  A 'backward' slot includes the recompute of the forward pass when the call
-  re-materializes.
-  """
-  phase: str  # 'forward' or 'backward'.
+class Action(NamedTuple):
+  """What one device does at one tick: a phase of a chunk on a micro-batch."""
+  phase: str  # One of ACTION_PHASES.
+  chunk: int
   micro_batch: int
 
+  def __str__(self) -> str:
+    return f'{self.phase[0].upper()}{self.chunk}.{self.micro_batch}'
 
-def GPipeSchedule(num_stages: int,
-                  num_micro_batches: int) -> List[List[Tuple[int, int]]]:
-  """The forward clock ticks of a GPipe step.
 
-  At clock t, stage k works on micro-batch t - k (when that is in range), so the
-  pipeline fills for K - 1 ticks, runs full, and drains for K - 1 ticks. The
-  backward pass runs the same ticks in reverse.
+Tick = Tuple[Optional[Action], ...]
+
+
+class TableError(ValueError):
+  """A table that breaks a rule of `Validate`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """One training step as data: what every device does at every tick.
+
+  Attributes:
+    schedule: The name of the schedule that made it (a key of `SCHEDULES`).
+    num_devices: K.
+    virtual_stages: v; the step has K * v chunks, chunk c on device c mod K.
+    num_micro_batches: M.
+    loss_outside: Whether the loss is computed after the pipeline from all
+      micro-batches' outputs (GPipe), so that no backward action may run
+      before every forward of the last chunk.
+    ticks: ticks[t][k] is device k's action at tick t, or None (idle).
+  """
+  schedule: str
+  num_devices: int
+  virtual_stages: int
+  num_micro_batches: int
+  loss_outside: bool
+  ticks: Tuple[Tick, ...]
+
+  @property
+  def num_chunks(self) -> int:
+    """C = K * v."""
+    return self.num_devices * self.virtual_stages
+
+  def Device(self, chunk: int) -> int:
+    """The device that runs `chunk`: chunk mod K."""
+    return chunk % self.num_devices
+
+  @functools.cached_property
+  def tick_of(self) -> Dict[Action, int]:
+    """The tick of every action."""
+    return {a: t for t, tick in enumerate(self.ticks) for a in tick if a}
+
+  @functools.cached_property
+  def device_orders(self) -> Tuple[Tuple[Action, ...], ...]:
+    """Per device, its actions in the order they run."""
+    return tuple(
+        tuple(tick[k] for tick in self.ticks if tick[k] is not None)
+        for k in range(self.num_devices))
+
+  def PhaseRuns(self) -> List[Tuple[str, Tuple[Tick, ...]]]:
+    """The ticks cut into maximal runs of one phase.
+
+    Returns:
+      (phase, ticks) pairs in order; for GPipe tables exactly two, all
+      forward ticks, then all backward ticks.
+
+    Raises:
+      TableError: if a tick mixes phases (an engine that runs each phase as
+        its own pass cannot run such a table).
+    """
+    runs = []
+    for t, tick in enumerate(self.ticks):
+      phases = sorted({a.phase for a in tick if a is not None})
+      if len(phases) > 1:
+        raise TableError(
+            f'{self.schedule} table, tick {t}: mixes phases {phases}; an '
+            'engine that runs all forward ticks, then all backward ticks, '
+            'cannot run it.')
+      if not phases:
+        continue
+      if runs and runs[-1][0] == phases[0]:
+        runs[-1][1].append(tick)
+      else:
+        runs.append((phases[0], [tick]))
+    return [(phase, tuple(ticks)) for phase, ticks in runs]
+
+  def __str__(self) -> str:
+    width = max(len(str(a)) for tick in self.ticks for a in tick if a)
+    lines = [f'{self.schedule}: K={self.num_devices} v={self.virtual_stages} '
+             f'M={self.num_micro_batches}, {len(self.ticks)} ticks']
+    for k in range(self.num_devices):
+      cells = [str(tick[k]) if tick[k] else '-' for tick in self.ticks]
+      lines.append(f'device {k}: ' + ' '.join(c.rjust(width) for c in cells))
+    return '\n'.join(lines)
+
+
+class _Index:
+  """Numbers the actions of a step 0 .. 2 C M - 1, for flat lists."""
+
+  def __init__(self, num_chunks: int, num_micro_batches: int):
+    self.num_chunks = num_chunks
+    self.num_micro = num_micro_batches
+    self.size = 2 * num_chunks * num_micro_batches
+
+  def Id(self, action: Action) -> int:
+    phase = 0 if action.phase == FORWARD else 1
+    return (phase * self.num_chunks + action.chunk) * self.num_micro + (
+        action.micro_batch)
+
+  def Action(self, i: int) -> Action:
+    rest, m = divmod(i, self.num_micro)
+    phase, c = divmod(rest, self.num_chunks)
+    return Action(ACTION_PHASES[phase], c, m)
+
+  def Dependencies(self, i: int) -> List[int]:
+    """The actions action `i` needs on an earlier tick (loss excluded)."""
+    per_phase = self.num_chunks * self.num_micro
+    if i < per_phase:  # Forward of (c, m): the previous chunk's forward.
+      return [i - self.num_micro] if i >= self.num_micro else []
+    deps = [i - per_phase]  # Its own forward.
+    if i + self.num_micro < 2 * per_phase:  # Not the last chunk.
+      deps.append(i + self.num_micro)
+    return deps
+
+  def LastChunkForwards(self) -> range:
+    first = (self.num_chunks - 1) * self.num_micro
+    return range(first, first + self.num_micro)
+
+
+def Validate(table: Table) -> Table:
+  """Checks that a table is a correct training step; returns it.
+
+  The rules: every tick has one entry per device; an entry is None or an
+  Action of a known phase on a chunk of that device (chunk mod K) and a
+  micro-batch in [0, M); each (chunk, micro-batch) runs forward once and
+  backward once; a chunk's forward of m comes on a later tick than the
+  previous chunk's forward of m; its backward on a later tick than the next
+  chunk's backward of m and than its own forward; with the loss outside the
+  pipeline, no backward before every forward of the last chunk has run.
 
   Args:
-    num_stages: K, the number of pipeline stages.
-    num_micro_batches: M, the number of micro-batches per mini-batch.
+    table: The table.
 
   Returns:
-    A list of M + K - 1 ticks; tick t lists the (stage, micro_batch) pairs that
-    run at clock t, by increasing stage.
+    The same table.
 
   Raises:
-    ValueError: if K or M is not a positive int.
+    TableError: naming the tick, the device and the action that break a rule.
+  """
+  k_devices, num_micro = table.num_devices, table.num_micro_batches
+  checks.CheckPositiveInt('num_devices', k_devices)
+  checks.CheckPositiveInt('virtual_stages', table.virtual_stages)
+  checks.CheckPositiveInt('num_micro_batches', num_micro)
+  num_chunks = table.num_chunks
+  index = _Index(num_chunks, num_micro)
+  tick_of, device_of = [-1] * index.size, [-1] * index.size
+  for t, tick in enumerate(table.ticks):
+    if len(tick) != k_devices:
+      raise TableError(f'tick {t} has {len(tick)} entries, expected one per '
+                       f'device ({k_devices}).')
+    for k, action in enumerate(tick):
+      if action is None:
+        continue
+      if not isinstance(action, Action) or action.phase not in ACTION_PHASES:
+        raise TableError(f'tick {t}, device {k}: {action!r} is not an Action '
+                         f'with a phase in {list(ACTION_PHASES)}.')
+      if not 0 <= action.chunk < num_chunks or action.chunk % k_devices != k:
+        raise TableError(f'tick {t}, device {k}: {action!r}: chunk '
+                         f'{action.chunk} does not run on device {k} (chunk c '
+                         f'runs on device c mod {k_devices}, c < '
+                         f'{num_chunks}).')
+      if not 0 <= action.micro_batch < num_micro:
+        raise TableError(f'tick {t}, device {k}: {action!r}: micro-batch '
+                         f'{action.micro_batch} is outside [0, {num_micro}).')
+      i = index.Id(action)
+      if tick_of[i] >= 0:
+        raise TableError(f'tick {t}, device {k}: {action!r} runs again '
+                         f'(first at tick {tick_of[i]}).')
+      tick_of[i], device_of[i] = t, k
+  if -1 in tick_of:
+    raise TableError(f'{index.Action(tick_of.index(-1))!r} never runs; every '
+                     'chunk runs forward and backward once per micro-batch.')
+  last_forward = max(tick_of[i] for i in index.LastChunkForwards())
+  first_backward = index.size // 2
+  for t, i in sorted((t, i) for i, t in enumerate(tick_of)):
+    for dep in index.Dependencies(i):
+      if tick_of[dep] >= t:
+        raise TableError(
+            f'tick {t}, device {device_of[i]}: {index.Action(i)!r} runs '
+            f'before {index.Action(dep)!r} (tick {tick_of[dep]}), which it '
+            'needs.')
+    if table.loss_outside and i >= first_backward and t <= last_forward:
+      raise TableError(
+          f'tick {t}, device {device_of[i]}: {index.Action(i)!r} runs before '
+          f'the last forward of the last chunk (tick {last_forward}); with '
+          'the loss outside the pipeline every backward comes after it.')
+  return table
+
+
+def TableFromOrders(schedule: str, num_devices: int, virtual_stages: int,
+                    num_micro_batches: int, loss_outside: bool,
+                    orders: Sequence[Sequence[Action]]) -> Table:
+  """Places each device's actions, in its order, on the earliest tick.
+
+  An action's tick is one more than the latest of: the device's previous
+  action, the actions it needs (see `Validate`) and, with the loss outside,
+  the last forward of the last chunk. With unit-time actions this is when
+  they would run.
+
+  Args:
+    schedule: The schedule's name.
+    num_devices: K.
+    virtual_stages: v.
+    num_micro_batches: M.
+    loss_outside: See `Table`.
+    orders: Per device, its actions in the order it runs them; together
+      every action of the step once.
+
+  Returns:
+    The validated table.
+
+  Raises:
+    TableError: if the orders deadlock (an action waits for one that its
+      device runs later) or break a rule of `Validate`.
+  """
+  num_chunks = num_devices * virtual_stages
+  index = _Index(num_chunks, num_micro_batches)
+  # Kahn's algorithm over action ids; id `loss` stands for the loss, which
+  # needs every forward of the last chunk and which every backward needs.
+  loss = index.size
+  needs = [0] * (index.size + 1)
+  followers = [[] for _ in range(index.size + 1)]
+  ids = [[index.Id(a) for a in order] for order in orders]
+  for order in ids:
+    for position, i in enumerate(order):
+      preds = index.Dependencies(i)
+      if position:
+        preds.append(order[position - 1])
+      if loss_outside and i >= index.size // 2:
+        preds.append(loss)
+      needs[i] += len(preds)
+      for pred in preds:
+        followers[pred].append(i)
+  if loss_outside:
+    for i in index.LastChunkForwards():
+      needs[loss] += 1
+      followers[i].append(loss)
+  earliest = [0] * (index.size + 1)
+  ready = [i for order in ids for i in order[:1] if not needs[i]]
+  if loss_outside and not needs[loss]:
+    ready.append(loss)
+  placed = 0
+  while ready:
+    node = ready.pop()
+    placed += 1
+    # The loss takes no tick: a backward may run right after the last forward.
+    after = earliest[node] + (node != loss)
+    for follower in followers[node]:
+      if earliest[follower] < after:
+        earliest[follower] = after
+      needs[follower] -= 1
+      if not needs[follower]:
+        ready.append(follower)
+  total = sum(len(order) for order in ids) + loss_outside
+  if placed != total:
+    waiting = [index.Action(i) for order in ids for i in order if needs[i]]
+    raise TableError(f'{schedule} orders deadlock: {len(waiting)} actions '
+                     f'wait for each other, e.g. {waiting[:3]}.')
+  num_ticks = 1 + max((earliest[i] for order in ids for i in order),
+                      default=-1)
+  ticks = [[None] * num_devices for _ in range(num_ticks)]
+  for k, order in enumerate(orders):
+    for action, i in zip(order, ids[k]):
+      ticks[earliest[i]][k] = action
+  return Validate(
+      Table(schedule, num_devices, virtual_stages, num_micro_batches,
+            loss_outside, tuple(tuple(tick) for tick in ticks)))
+
+
+def _GPipeOrders(num_devices: int, virtual_stages: int,
+                 num_micro_batches: int) -> List[List[Action]]:
+  """Each device's actions in GPipe order, circular when v > 1.
+
+  Forward: the micro-batches go in groups of K (the last group may be
+  smaller); each group passes the devices v times, so device k runs chunk
+  k, then chunk K + k, ... on the group's micro-batches before the next group
+  starts. Backward: the same actions in reverse order.
+
+  Args:
+    num_devices: K.
+    virtual_stages: v.
+    num_micro_batches: M.
+
+  Returns:
+    Per device, its forward actions, then its backward actions.
+  """
+  orders = []
+  for k in range(num_devices):
+    forward = []
+    for group in range(0, num_micro_batches, num_devices):
+      members = range(group, min(group + num_devices, num_micro_batches))
+      for r in range(virtual_stages):
+        forward += [Action(FORWARD, r * num_devices + k, m) for m in members]
+    orders.append(forward +
+                  [Action(BACKWARD, a.chunk, a.micro_batch)
+                   for a in reversed(forward)])
+  return orders
+
+
+def GPipeTable(num_devices: int, num_micro_batches: int,
+               virtual_stages: int = 1) -> Table:
+  """The GPipe step: all forwards, then the loss, then all backwards.
+
+  With v = 1, device k runs micro-batch t - k at forward tick t (M + K - 1
+  ticks), and the backward ticks mirror the forward ones. With v > 1 the
+  order is circular (`_GPipeOrders`): M v + K - 1 forward ticks of chunks a
+  v-th the size, so the bubble falls to (K - 1) / (M v + K - 1) when K
+  divides M.
+
+  Args:
+    num_devices: K.
+    num_micro_batches: M.
+    virtual_stages: v.
+
+  Returns:
+    The validated table.
+
+  Raises:
+    ValueError: if K, M or v is not a positive int.
+  """
+  checks.CheckPositiveInt('num_devices', num_devices)
+  checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
+  checks.CheckPositiveInt('virtual_stages', virtual_stages)
+  return TableFromOrders(
+      'gpipe', num_devices, virtual_stages, num_micro_batches, True,
+      _GPipeOrders(num_devices, virtual_stages, num_micro_batches))
+
+
+class Schedule(NamedTuple):
+  """A schedule by name: how to build its table and what it needs."""
+  build: Callable[[int, int, int], Table]  # (K, M, v) -> Table.
+  loss_inside: bool  # Whether the last cell computes the loss.
+  doc: str
+
+
+# The schedules by the name users give (`GPipeSequentialLayer.schedule`).
+SCHEDULES: Dict[str, Schedule] = {
+    'gpipe': Schedule(
+        GPipeTable, False,
+        'all forwards, the loss, all backwards; circular when v > 1'),
+}
+
+
+def CheckSchedule(schedule: str) -> Schedule:
+  """The `Schedule` named `schedule`; ValueError naming it if unknown."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f'schedule={schedule!r} is not supported; use one of '
+                     f'{list(SCHEDULES)}.')
+  return SCHEDULES[schedule]
+
+
+def BuildTable(schedule: str, num_devices: int, num_micro_batches: int,
+               virtual_stages: int = 1) -> Table:
+  """The validated table of a schedule by name.
+
+  Args:
+    schedule: A key of `SCHEDULES`.
+    num_devices: K.
+    num_micro_batches: M.
+    virtual_stages: v.
+
+  Returns:
+    The table.
+
+  Raises:
+    ValueError: on an unknown schedule, or sizes it cannot run.
+  """
+  return CheckSchedule(schedule).build(num_devices, num_micro_batches,
+                                       virtual_stages)
+
+
+def BubbleFraction(num_stages: int, num_micro_batches: int,
+                   virtual_stages: int = 1) -> float:
+  """Idle fraction of a GPipe step of equal chunks: (K-1) / (M v + K - 1).
+
+  Exact when v = 1 or K divides M (circular groups are then full).
+
+  Args:
+    num_stages: K, the number of devices.
+    num_micro_batches: M.
+    virtual_stages: v.
+
+  Returns:
+    The fraction of device time in which a device has no work.
+
+  Raises:
+    ValueError: if K, M or v is not a positive int.
   """
   checks.CheckPositiveInt('num_stages', num_stages)
   checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
-  ticks = []
-  for clock in range(num_micro_batches + num_stages - 1):
-    ticks.append([(stage, clock - stage)
-                  for stage in range(num_stages)
-                  if 0 <= clock - stage < num_micro_batches])
-  return ticks
-
-
-def BubbleFraction(num_stages: int, num_micro_batches: int) -> float:
-  """Idle fraction of a GPipe step with equal stages: (K - 1) / (M + K - 1).
-
-  Args:
-    num_stages: K, the number of pipeline stages.
-    num_micro_batches: M, the number of micro-batches per mini-batch.
-
-  Returns:
-    The fraction of stage-ticks in which a stage has no work.
-
-  Raises:
-    ValueError: if K or M is not a positive int.
-  """
-  checks.CheckPositiveInt('num_stages', num_stages)
-  checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
-  return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+  checks.CheckPositiveInt('virtual_stages', virtual_stages)
+  return (num_stages - 1) / (num_micro_batches * virtual_stages + num_stages -
+                             1)
 
 
 def CheckRemat(remat: str) -> None:
@@ -98,83 +459,36 @@ def CheckRemat(remat: str) -> None:
                      f'{list(REMAT_MODES)}.')
 
 
-def Recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
-  """Whether a training call on `micro_batch` recomputes its forward pass.
+def RecomputedCalls(table: Table, remat: str) -> Dict[Tuple[int, int], bool]:
+  """Which training calls re-materialize, by (chunk, micro-batch).
+
+  'always': every call; 'never': none; 'except_last': every call except
+  those whose backward is the next action of their device after their
+  forward (keeping their activations costs no extra peak memory: nothing
+  else runs between). In a GPipe table those are the last micro-batch of the
+  last chunk on each device.
 
   Args:
+    table: The step.
     remat: One of `REMAT_MODES`.
-    micro_batch: The micro-batch index m, 0 <= m < M.
-    num_micro_batches: M.
 
   Returns:
-    True for 'always', for 'except_last' unless m is the last micro-batch,
-    False for 'never'.
+    {(chunk, micro_batch): recomputes}.
 
   Raises:
-    ValueError: if `remat` is not one of `REMAT_MODES`.
+    ValueError: if `remat` is unknown.
   """
   CheckRemat(remat)
-  return remat == 'always' or (remat == 'except_last' and
-                               micro_batch < num_micro_batches - 1)
-
-
-def GPipeTicks(num_stages: int,
-               num_micro_batches: int) -> List[List[Optional[Slot]]]:
-  """A whole GPipe training step as data: what every stage does at every tick.
-
-  The M + K - 1 forward ticks of `GPipeSchedule`, then the same ticks in
-  reverse as backward ticks. Engines read a step from this table (the loop
-  engine through `PhaseTable`), so another schedule is another table.
-
-  Args:
-    num_stages: K.
-    num_micro_batches: M.
-
-  Returns:
-    2 (M + K - 1) ticks of K entries; ticks[t][k] is stage k's `Slot` at tick
-    t, or None when the stage is idle.
-
-  Raises:
-    ValueError: if K or M is not a positive int.
-  """
-  forward = GPipeSchedule(num_stages, num_micro_batches)
-  ticks = []
-  for phase, order in (('forward', forward), ('backward', forward[::-1])):
-    for tick in order:
-      row = [None] * num_stages
-      for stage, micro_batch in tick:
-        row[stage] = Slot(phase, micro_batch)
-      ticks.append(row)
-  return ticks
-
-
-def PhaseTable(ticks: Sequence[Sequence[Optional[Slot]]],
-               phase: str) -> List[List[int]]:
-  """The ticks of one phase as micro-batch numbers, `IDLE` where idle.
-
-  Args:
-    ticks: A step from e.g. `GPipeTicks`.
-    phase: 'forward' or 'backward'.
-
-  Returns:
-    One row per tick that has work of `phase`, in order: row[k] is the
-    micro-batch stage k works on, or IDLE.
-
-  Raises:
-    ValueError: if a tick mixes the phase with another one (an engine that
-      runs the phases as separate loops cannot run such a schedule).
-  """
-  table = []
-  for t, tick in enumerate(ticks):
-    phases = {slot.phase for slot in tick if slot is not None}
-    if phase not in phases:
-      continue
-    if len(phases) > 1:
-      raise ValueError(f'tick {t} mixes phases {sorted(phases)}; the loop '
-                       'engine runs all forward ticks, then all backward '
-                       'ticks.')
-    table.append([IDLE if slot is None else slot.micro_batch for slot in tick])
-  return table
+  keeps = set()
+  if remat == 'except_last':
+    for order in table.device_orders:
+      for a, b in zip(order, order[1:]):
+        if (a.phase == FORWARD and b.phase == BACKWARD and
+            (a.chunk, a.micro_batch) == (b.chunk, b.micro_batch)):
+          keeps.add((a.chunk, a.micro_batch))
+  return {(c, m): remat != 'never' and (c, m) not in keeps
+          for c in range(table.num_chunks)
+          for m in range(table.num_micro_batches)}
 
 
 def CheckEngine(engine: str, remat: str) -> None:

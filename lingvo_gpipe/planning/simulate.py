@@ -1,25 +1,28 @@
-"""Times and sizes a GPipe step from per-stage costs, without running it.
+"""Times and sizes a training step from per-chunk costs, without running it.
 
-Pure Python. `Simulate` replays the engine's order of calls with given forward
-and backward costs; `StageOccupancy` reads the same numbers (step time, bubble,
-utilization) off simulated or measured events.
+Pure Python. `Simulate` replays a schedule table (`schedule.Table`) with given
+forward and backward costs per chunk and returns when every call phase runs,
+the bubble, and what each device holds at its peak; `StageOccupancy` reads
+the same numbers (step time, bubble, utilization) off simulated or measured
+events.
 
-    >>> Simulate([1.0, 1.0], [2.0, 2.0], num_micro_batches=3).bubble_fraction
+    >>> table = schedule.BuildTable('gpipe', num_devices=2, num_micro_batches=3)
+    >>> Simulate(table, [1.0, 1.0], [2.0, 2.0]).bubble_fraction
     0.25
 """
 
 import dataclasses
-import functools
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from lingvo_gpipe.planning import checks
 from lingvo_gpipe.planning import schedule
 
 
 class Event(NamedTuple):
-  """One phase of one stage call: what a stage did from `start` to `end`."""
-  stage: int
+  """One phase of one call: what a device did from `start` to `end`."""
+  stage: int  # The device (pipeline stage) that ran it.
+  chunk: int  # The chunk of cells (= stage when v = 1).
   micro_batch: int
   phase: str  # One of schedule.PHASES.
   start: float
@@ -35,29 +38,24 @@ class Occupancy(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Simulation:
-  """The simulated timing and memory of one GPipe step (see `Simulate`).
+  """The simulated timing and memory of one training step (see `Simulate`).
 
   Attributes:
+    table: The schedule table simulated.
     step_time: From the first forward's start (0) to the last backward's end.
-    forward_time: When the last forward ends and the backward pass begins.
-    bubble_fraction: Idle stage-time / total stage-time, i.e.
+    forward_time: When the last forward ends.
+    bubble_fraction: Idle device-time / total device-time, i.e.
       1 - sum(busy) / (K * step_time).
-    utilization: Per stage, its busy time / step_time.
-    peak_memory: Per stage, the most activation memory it holds at once, in
+    utilization: Per device, its busy time / step_time.
+    peak_memory: Per device, the most activation memory it holds at once, in
       the units of `input_memory` and `activation_memory`.
-    peak_inputs: Per stage, how many micro-batch inputs it holds at that peak.
-    peak_activations: Per stage, how many calls' full activations it holds at
-      that peak.
-    forward_starts: forward_starts[k][m], when stage k starts the forward of
-      micro-batch m.
-    backward_starts: backward_starts[k][m], when stage k starts the backward
-      call of micro-batch m (its recompute, if it recomputes).
-    forward_costs: The K forward costs simulated.
-    backward_costs: The K backward costs simulated.
-    recomputes: recomputes[m], whether the calls of micro-batch m recompute.
-    events: Every phase of every call, by stage, then by start (built on first
-      access: K * M * 3 tuples for large K and M).
+    peak_inputs: Per device, how many chunk inputs it holds at that peak.
+    peak_activations: Per device, how many calls' full activations it holds
+      at that peak.
+    events: Every phase of every call, by device, then by start.
+    recomputes: {(chunk, micro_batch): whether its backward recomputes}.
   """
+  table: schedule.Table = dataclasses.field(repr=False)
   step_time: float
   forward_time: float
   bubble_fraction: float
@@ -65,28 +63,8 @@ class Simulation:
   peak_memory: List[float]
   peak_inputs: List[int]
   peak_activations: List[int]
-  forward_starts: List[List[float]] = dataclasses.field(repr=False)
-  backward_starts: List[List[float]] = dataclasses.field(repr=False)
-  forward_costs: List[float] = dataclasses.field(repr=False)
-  backward_costs: List[float] = dataclasses.field(repr=False)
-  recomputes: List[bool] = dataclasses.field(repr=False)
-
-  @functools.cached_property
-  def events(self) -> List[Event]:
-    """Every phase of every call: (stage, micro_batch, phase, start, end)."""
-    events = []
-    for k, (forward, backward) in enumerate(
-        zip(self.forward_costs, self.backward_costs)):
-      for m, start in enumerate(self.forward_starts[k]):
-        events.append(Event(k, m, 'forward', start, start + forward))
-      starts = self.backward_starts[k]
-      for m in reversed(range(len(starts))):
-        start = starts[m]
-        if self.recomputes[m]:
-          events.append(Event(k, m, 'recompute', start, start + forward))
-          start += forward
-        events.append(Event(k, m, 'backward', start, start + backward))
-    return events
+  events: List[Event] = dataclasses.field(repr=False)
+  recomputes: Dict[Tuple[int, int], bool] = dataclasses.field(repr=False)
 
 
 def StageOccupancy(events: Sequence[Event], num_stages: int) -> Occupancy:
@@ -129,16 +107,14 @@ def StageOccupancy(events: Sequence[Event], num_stages: int) -> Occupancy:
 
 
 def _CheckCosts(name: str, values: Sequence[float],
-                length: Optional[int] = None) -> List[float]:
-  """Checks a per-stage list of finite non-negative numbers; returns floats."""
+                length: int) -> List[float]:
+  """Checks a per-chunk list of finite non-negative numbers; returns floats."""
   if isinstance(values, (str, bytes)) or not hasattr(values, '__len__'):
     raise ValueError(f'{name}={values!r} must be a list of numbers, one per '
-                     'stage.')
-  if length is None and not values:
-    raise ValueError(f'{name} is empty; give one number per stage.')
-  if length is not None and len(values) != length:
+                     'chunk.')
+  if len(values) != length:
     raise ValueError(f'{name} has {len(values)} entries {list(values)}, '
-                     f'expected {length} (one per stage).')
+                     f'expected {length} (one per chunk: K x v).')
   result = []
   for i, v in enumerate(values):
     if (isinstance(v, bool) or not isinstance(v, (int, float)) or
@@ -148,177 +124,191 @@ def _CheckCosts(name: str, values: Sequence[float],
   return result
 
 
-def _MemoryCheckpoints(num_micro_batches: int,
-                       remat: str) -> List[Tuple[int, int]]:
-  """The (inputs, full activations) a stage holds while each call runs.
+def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
+           inputs: Sequence[float], activations: Sequence[float]
+          ) -> List[Tuple[float, int, int]]:
+  """Per device, (peak memory, inputs held, activations held) at its peak.
 
-  One pair per call phase, in the order a stage runs them; see `Simulate`
-  for the model. Only the pairs no other pair dominates are returned: the
-  peak for any non-negative sizes is among them.
+  Walks each device's actions in table order (see `Simulate` for the model).
 
   Args:
-    num_micro_batches: M.
-    remat: One of `REMAT_MODES`.
+    table: The step.
+    recomputes: From `schedule.RecomputedCalls`.
+    inputs: Per chunk, the size of one micro-batch's input.
+    activations: Per chunk, the size of one call's full activations.
 
   Returns:
-    The Pareto-maximal (inputs, activations) pairs.
+    One triple per device.
   """
-  inputs = activations = 0
-  pairs = set()
-  for m in range(num_micro_batches):
-    inputs += 1
-    activations += 1
-    pairs.add((inputs, activations))
-    if schedule.Recomputes(remat, m, num_micro_batches):
-      activations -= 1
-  for m in reversed(range(num_micro_batches)):
-    if schedule.Recomputes(remat, m, num_micro_batches):
-      activations += 1
-    pairs.add((inputs, activations))
-    inputs -= 1
-    activations -= 1
-  frontier, most_activations = [], -1
-  for n_in, n_act in sorted(pairs, reverse=True):
-    if n_act > most_activations:
-      frontier.append((n_in, n_act))
-      most_activations = n_act
-  return frontier
+  peaks = []
+  for order in table.device_orders:
+    held_inputs = held_activations = 0
+    size = 0.0
+    peak = (0.0, 0, 0)
+    for phase, c, m in order:
+      kept = not recomputes[c, m]
+      if phase == schedule.FORWARD:
+        held_inputs += 1
+        size += inputs[c]
+        # Running, the call holds its activations; a kept call keeps them.
+        candidate = (size + activations[c], held_inputs, held_activations + 1)
+        if kept:
+          held_activations += 1
+          size += activations[c]
+      else:
+        running = 0 if kept else 1
+        candidate = (size + running * activations[c], held_inputs,
+                     held_activations + running)
+        held_inputs -= 1
+        size -= inputs[c]
+        if kept:
+          held_activations -= 1
+          size -= activations[c]
+      peak = max(peak, candidate)
+    peaks.append(peak)
+  return peaks
 
 
-def Simulate(forward_costs: Sequence[float],
+def Simulate(table: schedule.Table,
+             forward_costs: Sequence[float],
              backward_costs: Sequence[float],
-             num_micro_batches: int,
              remat: str = 'always',
              transfer_cost: float = 0.0,
              input_memory: Optional[Sequence[float]] = None,
-             activation_memory: Optional[Sequence[float]] = None
-            ) -> Simulation:
-  """Times one GPipe training step from per-stage costs.
+             activation_memory: Optional[Sequence[float]] = None,
+             lockstep: bool = False,
+             tick_overhead: float = 0.0) -> Simulation:
+  """Times one training step of a schedule table from per-chunk costs.
 
-  The step runs as the engine (`engine.pipeline.Pipeline`) orders it; a stage
-  does one thing at a time and nothing waits that need not:
+  Each device runs its actions in table order, one at a time. Timing, two
+  ways:
 
-  * forward of (k, m) starts once stage k finished the forward of m - 1 and
-    stage k - 1 finished the forward of m, plus `transfer_cost`;
-  * the backward pass starts when every forward has finished (the loss needs
-    the merged output of all micro-batches);
-  * the backward of (k, m) starts once stage k finished the backward of
-    m + 1 and stage k + 1 finished the backward of m, plus `transfer_cost`;
-    a call that recomputes first runs its forward again (a 'recompute' event
-    of the forward cost), then its backward.
+  * dataflow (the unrolled engine; `lockstep=False`): an action starts once
+    its device is free and the actions it needs have ended (the previous
+    chunk's forward of the micro-batch; the next chunk's backward and its
+    own forward; with the loss outside the pipeline, every forward of the
+    last chunk), plus `transfer_cost` for what comes from another device;
+  * lockstep (the loop engine): tick t starts when every action of tick
+    t - 1 has ended, and lasts as long as its longest action (plus
+    `transfer_cost` if an action of the tick reads from another device)
+    plus `tick_overhead`.
 
-  Memory model, per stage, counting only micro-batch activations (not
+  A backward action that re-materializes (`schedule.RecomputedCalls`) first
+  runs its forward again (a 'recompute' event of the forward cost), then its
+  backward.
+
+  Memory model, per device, counting only micro-batch activations (not
   weights, their gradients or the merged output): from its forward until its
-  backward ends a call keeps its micro-batch input (`input_memory`). While a
+  backward ends a call keeps its chunk's input (`input_memory`). While a
   call's forward, recompute or backward runs, and for a call that does not
   recompute from its forward until its backward ends, the call also holds its
   full activations (`activation_memory`, the intermediate tensors the backward
-  needs, without the input). So with M micro-batches the peak is
-  M inputs + 1 activations for 'always' (during the last forward and the
-  first recompute) and for 'except_last' (M - 1 inputs + 1 kept call), and
-  M inputs + M activations for 'never'. By default an input counts 0 and a
-  call's activations 1: `peak_memory` is in "one micro-batch's stage
-  activations"; pass byte sizes to get bytes.
+  needs, without the input). So for GPipe with M micro-batches the peak is
+  M inputs + 1 activations for 'always' and 'except_last', M inputs + M
+  activations for 'never'. By default an input counts 0 and a call's
+  activations 1: `peak_memory` is in "one call's activations"; pass byte
+  sizes to get bytes.
 
-  With equal stages and no transfer cost the bubble fraction is the closed
-  form `schedule.BubbleFraction(K, M)` for 'always' and 'never'. Runs in
-  O(K * M).
+  With equal chunks and no transfer cost a GPipe table's bubble fraction is
+  the closed form `schedule.BubbleFraction(K, M, v)` (v = 1, or K dividing
+  M). Runs in O(ticks x K).
 
   Args:
-    forward_costs: K forward times of one micro-batch, one per stage (any
-      time unit, e.g. seconds).
-    backward_costs: K backward times (without the recompute), same unit.
-    num_micro_batches: M.
+    table: The step, e.g. `schedule.BuildTable('gpipe', K, M, v)`.
+    forward_costs: Per chunk (C = K v), the forward time of one micro-batch
+      (any time unit, e.g. seconds).
+    backward_costs: Per chunk, the backward time without the recompute.
     remat: One of `REMAT_MODES`.
     transfer_cost: Time to pass one micro-batch's activations (forward) or
-      gradients (backward) from one stage to the next.
-    input_memory: Optional K sizes of one micro-batch input of each stage
+      gradients (backward) from one device to another.
+    input_memory: Optional per-chunk sizes of one micro-batch's input
       (default 0 each).
-    activation_memory: Optional K sizes of one call's full activations of
-      each stage (default 1 each).
+    activation_memory: Optional per-chunk sizes of one call's full
+      activations (default 1 each).
+    lockstep: Whether ticks run in lockstep (see above).
+    tick_overhead: With lockstep, the cost of a tick beyond its work.
 
   Returns:
     A `Simulation`.
 
   Raises:
-    ValueError: naming the argument, if a list is empty, has another length
-      than forward_costs or a negative or non-finite entry, if all costs are
-      zero, if M is not a positive int, if remat is unknown or if
-      transfer_cost is negative or not finite.
+    ValueError: naming the argument, if a list has another length than the
+      chunks or a negative or non-finite entry, if all costs are zero, if
+      remat is unknown or if transfer_cost or tick_overhead is negative or
+      not finite.
   """
-  forward = _CheckCosts('forward_costs', forward_costs)
-  num_stages = len(forward)
-  backward = _CheckCosts('backward_costs', backward_costs, num_stages)
-  checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
-  num_micro = num_micro_batches
-  schedule.CheckRemat(remat)
-  if (isinstance(transfer_cost, bool) or
-      not isinstance(transfer_cost, (int, float)) or
-      not math.isfinite(transfer_cost) or transfer_cost < 0):
-    raise ValueError(f'transfer_cost={transfer_cost!r} must be a finite '
-                     'number >= 0.')
+  num_chunks, num_devices = table.num_chunks, table.num_devices
+  forward = _CheckCosts('forward_costs', forward_costs, num_chunks)
+  backward = _CheckCosts('backward_costs', backward_costs, num_chunks)
+  for name, value in (('transfer_cost', transfer_cost),
+                      ('tick_overhead', tick_overhead)):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or
+        not math.isfinite(value) or value < 0):
+      raise ValueError(f'{name}={value!r} must be a finite number >= 0.')
   if not any(forward) and not any(backward):
     raise ValueError('forward_costs and backward_costs are all zero; a step '
                      'must cost something.')
-  inputs = ([0.0] * num_stages if input_memory is None else
-            _CheckCosts('input_memory', input_memory, num_stages))
-  activations = ([1.0] * num_stages if activation_memory is None else
+  inputs = ([0.0] * num_chunks if input_memory is None else
+            _CheckCosts('input_memory', input_memory, num_chunks))
+  activations = ([1.0] * num_chunks if activation_memory is None else
                  _CheckCosts('activation_memory', activation_memory,
-                             num_stages))
-  recomputes = [
-      schedule.Recomputes(remat, m, num_micro) for m in range(num_micro)
-  ]
+                             num_chunks))
+  recomputes = schedule.RecomputedCalls(table, remat)
 
-  # ready[m]: when micro-batch m's input (forward) or gradient (backward) has
-  # left the neighbouring stage. Stages are visited in dependency order.
-  forward_starts = []
-  ready = [0.0] * num_micro
-  for k in range(num_stages):
-    delay = transfer_cost if k > 0 else 0.0
-    cost, starts, free = forward[k], [], 0.0
-    for m in range(num_micro):
-      start = ready[m] + delay
-      if start < free:
-        start = free
-      starts.append(start)
-      free = ready[m] = start + cost
-    forward_starts.append(starts)
-  forward_end = max(ready)
-  ready = [forward_end] * num_micro
-  backward_starts = [None] * num_stages
-  for k in reversed(range(num_stages)):
-    delay = transfer_cost if k < num_stages - 1 else 0.0
-    recompute, cost = forward[k], backward[k]
-    starts, free = [0.0] * num_micro, forward_end
-    for m in reversed(range(num_micro)):
-      start = ready[m] + delay
-      if start < free:
-        start = free
-      starts[m] = start
-      free = ready[m] = start + (recompute + cost if recomputes[m] else cost)
-    backward_starts[k] = starts
-  step_time = max(ready)
-
-  num_recomputes = sum(recomputes)
-  busy = [num_micro * (f + b) + num_recomputes * f
-          for f, b in zip(forward, backward)]
-  checkpoints = _MemoryCheckpoints(num_micro, remat)
-  peaks = [
-      max((n_in * size_in + n_act * size_act, n_in, n_act)
-          for n_in, n_act in checkpoints)
-      for size_in, size_act in zip(inputs, activations)
-  ]
+  end = {}  # Action -> when it ended.
+  free = [0.0] * num_devices
+  loss_ready = 0.0
+  last_chunk = num_chunks - 1
+  tick_start = 0.0
+  events = [[] for _ in range(num_devices)]
+  for tick in table.ticks:
+    tick_end = tick_start
+    for k, action in enumerate(tick):
+      if action is None:
+        continue
+      phase, c, m = action
+      if phase == schedule.FORWARD:
+        source = schedule.Action(phase, c - 1, m) if c else None
+        durations = [('forward', forward[c])]
+      else:
+        source = (schedule.Action(phase, c + 1, m) if c < last_chunk else
+                  None)
+        durations = ([('recompute', forward[c])] if recomputes[c, m] else [])
+        durations.append(('backward', backward[c]))
+      delay = (transfer_cost if source is not None and
+               table.Device(source.chunk) != k else 0.0)
+      if lockstep:
+        start = tick_start + tick_overhead
+      else:
+        start = max(free[k], end[source] + delay if source else 0.0)
+        if phase == schedule.BACKWARD:
+          start = max(start, end[schedule.Action(schedule.FORWARD, c, m)])
+          if table.loss_outside:
+            start = max(start, loss_ready)
+      time = start + (delay if lockstep else 0.0)
+      for name, cost in durations:
+        events[k].append(Event(k, c, m, name, time, time + cost))
+        time += cost
+      end[action] = free[k] = time
+      tick_end = max(tick_end, time)
+      if phase == schedule.FORWARD and c == last_chunk:
+        loss_ready = max(loss_ready, time)
+    if lockstep and tick_end > tick_start:
+      tick_start = tick_end
+  flat = [e for device_events in events for e in device_events]
+  step_time = max(e.end for e in flat)
+  forward_time = max(e.end for e in flat if e.phase == 'forward')
+  busy = [sum(e.end - e.start for e in device_events)
+          for device_events in events]
+  peaks = _Peaks(table, recomputes, inputs, activations)
   return Simulation(
+      table=table,
       step_time=step_time,
-      forward_time=forward_end,
-      bubble_fraction=1.0 - sum(busy) / (num_stages * step_time),
+      forward_time=forward_time,
+      bubble_fraction=1.0 - sum(busy) / (num_devices * step_time),
       utilization=[b / step_time for b in busy],
       peak_memory=[p[0] for p in peaks],
       peak_inputs=[p[1] for p in peaks],
       peak_activations=[p[2] for p in peaks],
-      forward_starts=forward_starts,
-      backward_starts=backward_starts,
-      forward_costs=forward,
-      backward_costs=backward,
+      events=flat,
       recomputes=recomputes)
-

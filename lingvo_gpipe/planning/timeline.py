@@ -1,8 +1,9 @@
-"""Pictures and traces of a GPipe step's events (simulated or measured).
+"""Pictures and traces of a training step's events (simulated or measured).
 
 Pure Python; `DrawTimeline` imports matplotlib when called.
 
-    sim = simulate.Simulate([1.0] * 4, [2.0] * 4, num_micro_batches=8)
+    table = schedule.BuildTable('gpipe', 4, 8)
+    sim = simulate.Simulate(table, [1.0] * 4, [2.0] * 4)
     DrawTimeline(sim.events, 4, '/tmp/step.png', 'K=4, M=8')
     WriteChromeTrace(sim.events, 4, '/tmp/step.json', 'K=4, M=8')
 """
@@ -31,14 +32,26 @@ def TimeUnit(span: float) -> Tuple[float, str]:
   return 1e6, 'us'
 
 
+def Label(event: simulate.Event, chunked: bool) -> str:
+  """'<micro-batch>', or '<chunk>.<micro-batch>' when devices run chunks."""
+  return f'{event.chunk}.{event.micro_batch}' if chunked else str(
+      event.micro_batch)
+
+
+def _Chunked(events: Sequence[simulate.Event]) -> bool:
+  """Whether some device runs a chunk other than its own index (v > 1)."""
+  return any(e.chunk != e.stage for e in events)
+
+
 def DrawTimeline(events: Sequence[simulate.Event], num_stages: int, path: str,
                  title: str, time_unit: Optional[Tuple[float, str]] = None
                 ) -> None:
-  """Draws a step as a PNG: one row per stage, one box per call phase.
+  """Draws a step as a PNG: one row per device, one box per call phase.
 
   Boxes are coloured by phase (`PHASE_COLORS`) and, when there are few enough
-  to read, labelled with their micro-batch, so the pipeline's fill, steady
-  state and drain show at a glance.
+  to read, labelled with their micro-batch ('<chunk>.<micro-batch>' with
+  several chunks per device, so that a circular step's v passes show), so the
+  pipeline's fill, steady state and drain show at a glance.
 
   Args:
     events: The step's events (simulated or measured), times in seconds.
@@ -69,10 +82,11 @@ def DrawTimeline(events: Sequence[simulate.Event], num_stages: int, path: str,
                    linewidth=edge)
   if len(events) <= _MAX_LABELLED_EVENTS:
     min_width = end * factor / 120
+    chunked = _Chunked(events)
     for e in events:
       width = (e.end - e.start) * factor
       if width >= min_width:
-        ax.text((e.start * factor) + width / 2, e.stage, str(e.micro_batch),
+        ax.text((e.start * factor) + width / 2, e.stage, Label(e, chunked),
                 ha='center', va='center', fontsize=7, color='white')
   ax.set_ylim(num_stages - 0.5, -0.5)
   step = max(1, num_stages // 32)
@@ -93,8 +107,9 @@ def WriteChromeTrace(events: Sequence[simulate.Event], num_stages: int,
                      path: str, name: str) -> None:
   """Writes a step as a Chrome trace: one thread (row) per stage.
 
-  Each call phase is a complete ('X') event named '<phase> <micro-batch>',
-  with the phase as its category; times are microseconds.
+  Each call phase is a complete ('X') event named '<phase> <micro-batch>'
+  ('<phase> <chunk>.<micro-batch>' with several chunks per device), with the
+  phase as its category; times are microseconds.
 
   Args:
     events: The step's events, times in seconds.
@@ -109,17 +124,18 @@ def WriteChromeTrace(events: Sequence[simulate.Event], num_stages: int,
                   'args': {'name': f'stage {k}'}})
     trace.append({'name': 'thread_sort_index', 'ph': 'M', 'pid': 0,
                   'tid': k, 'args': {'sort_index': k}})
+  chunked = _Chunked(events)
   for e in events:
     trace.append({
-        'name': f'{e.phase} {e.micro_batch}',
+        'name': f'{e.phase} {Label(e, chunked)}',
         'cat': e.phase,
         'ph': 'X',
         'ts': e.start * 1e6,
         'dur': (e.end - e.start) * 1e6,
         'pid': 0,
         'tid': e.stage,
-        'args': {'stage': e.stage, 'micro_batch': e.micro_batch,
-                 'phase': e.phase},
+        'args': {'stage': e.stage, 'chunk': e.chunk,
+                 'micro_batch': e.micro_batch, 'phase': e.phase},
     })
   with open(path, 'w') as f:
     json.dump({'traceEvents': trace, 'displayTimeUnit': 'ms'}, f)
