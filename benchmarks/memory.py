@@ -13,7 +13,6 @@ import math
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from benchmarks import runner as runner_lib
-from lingvo_gpipe.planning import schedule
 
 # The GPipe paper's largest AmoebaNet on one 8 GB core: 318M parameters with
 # GPipe (re-materialization) against 82M without.
@@ -55,12 +54,10 @@ def Configs(num_layers: int,
     configs.append(runner_lib.Config('plain', num_layers, dim, batch, steps,
                                      mode=mode))
     for engine in engines:
-      supported = (schedule.LOOP_REMAT_MODES if engine == 'loop' else
-                   schedule.REMAT_MODES)
       configs += [
           runner_lib.Config('gpipe', num_layers, dim, batch, steps, m, remat,
                             mode=mode, engine=engine)
-          for remat in remats if remat in supported
+          for remat in remats
           for m in micro_batches
       ]
   return configs

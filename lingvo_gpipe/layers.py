@@ -83,8 +83,13 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         'micro-batch passes the devices v times (circular pipeline). The '
         'bubble falls to (K - 1) / (M v + K - 1) when K divides M.')
     p.Define(
-        'schedule', 'gpipe', 'The order of the step, a key of '
-        f'planning.schedule.SCHEDULES: {list(schedule.SCHEDULES)}.')
+        'schedule', 'gpipe', "The order of the step: 'gpipe' (all forwards, "
+        "the loss after the pipeline, all backwards) or '1f1b' (the last "
+        'cell returns the loss of its micro-batch, a float scalar, and '
+        'optionally more scalars as metrics; each backward runs as soon as '
+        'its forward reaches the loss, so stage k holds at most K - k '
+        'micro-batches; FProp returns the mean of each output over the '
+        "micro-batches; interleaved when virtual_stages > 1; engine 'loop').")
     return p
 
   @classmethod
@@ -198,6 +203,15 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     """K v."""
     return self._num_stages * self.params.virtual_stages
 
+  @property
+  def loss_inside(self):
+    """Whether the schedule computes the loss in the last cell (e.g. 1F1B).
+
+    FProp then returns the mean over micro-batches of each of the last
+    cell's scalar outputs, and only the first (the loss) has a gradient.
+    """
+    return schedule.CheckSchedule(self.params.schedule).loss_inside
+
   def _PartitionFromMicroBatch(self, flat_inputs, num_micro):
     """Decides a 'flops' or 'profile' partition from one micro-batch's shape."""
     p = self.params
@@ -275,7 +289,8 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     """The engine that builds a step with M micro-batches: unrolled or loop."""
     p = self.params
     return schedule.ChooseEngine(p.engine, self.num_stages, num_micro_batches,
-                                 p.remat, compiled_by_xla=py_utils.use_tpu())
+                                 p.remat, compiled_by_xla=py_utils.use_tpu(),
+                                 schedule=p.schedule)
 
   def BubbleFraction(self, batch_size):
     """The idle fraction (K - 1) / (M v + K - 1) of a step with this batch."""

@@ -121,20 +121,21 @@ class CharEmbeddingCell(ByteCell):
                      layers.PositionalEmbeddingLayer.Params().Set(
                          embedding_dim=p.dim))
 
-  def FProp(self, theta, ids, paddings):
+  def FProp(self, theta, ids, paddings, *passed):
     """Embeds ids.
 
     Args:
       theta: This cell's variables.
       ids: int32 [T, B].
       paddings: float [T, B], 1 at padded positions.
+      *passed: Tensors passed on unchanged (the labels, for a loss cell).
 
     Returns:
-      (vecs [T, B, D], paddings).
+      (vecs [T, B, D], paddings, *passed).
     """
     vecs = self.emb.EmbLookup(theta.emb, ids) * math.sqrt(self.params.dim)
     vecs += self.pos.FProp(theta.pos, tf.shape(ids)[0])[:, tf.newaxis, :]
-    return vecs, paddings
+    return (vecs, paddings) + passed
 
 
 class TransformerCell(base_layer.BaseLayer):
@@ -159,10 +160,10 @@ class TransformerCell(base_layer.BaseLayer):
     tp.tr_fflayer_tpl.hidden_dim = p.hidden_dim
     self.CreateChild('transformer', tp)
 
-  def FProp(self, theta, vecs, paddings):
-    """Returns (vecs [T, B, D], paddings) after one Transformer layer."""
+  def FProp(self, theta, vecs, paddings, *passed):
+    """(vecs [T, B, D], paddings, *passed) after one Transformer layer."""
     vecs, _ = self.transformer.FProp(theta.transformer, vecs, paddings)
-    return vecs, paddings
+    return (vecs, paddings) + passed
 
 
 class CharSoftmaxCell(ByteCell):
@@ -178,24 +179,74 @@ class CharSoftmaxCell(ByteCell):
 
   def FProp(self, theta, vecs, paddings):
     """Returns (logits [T, B, V], paddings)."""
-    return self.proj.FProp(theta.proj, self.ln.FProp(theta.ln, vecs)), paddings
+    return self.Logits(theta, vecs), paddings
+
+  def Logits(self, theta, vecs):
+    """Next-byte logits [T, B, V] of vecs [T, B, D]."""
+    return self.proj.FProp(theta.proj, self.ln.FProp(theta.ln, vecs))
 
 
-def CharLmCells(num_layers, dim, num_heads, hidden_dim):
-  """The cells of the pipeline: embedding, Transformer layers, softmax."""
+class CharLossCell(CharSoftmaxCell):
+  """Last cell with the loss inside the pipeline (schedule='1f1b').
+
+  The same variables as CharSoftmaxCell (checkpoints move between the two);
+  FProp returns the micro-batch's mean cross entropy and next-byte accuracy.
+  """
+
+  def FProp(self, theta, vecs, paddings, labels):
+    """(loss, accuracy): scalars over the non-padded bytes of vecs [T, B, D].
+
+    Args:
+      theta: This cell's variables.
+      vecs: float [T, B, D].
+      paddings: float [T, B].
+      labels: int32 [T, B], the next bytes.
+
+    Returns:
+      (loss, accuracy), float scalars.
+    """
+    loss, accuracy, _ = pipelined_task.SoftmaxMetrics(
+        self.Logits(theta, vecs), labels, 1.0 - paddings)
+    return loss, accuracy
+
+
+def CharLmCells(num_layers, dim, num_heads, hidden_dim, loss_inside=False):
+  """The cells of the pipeline: embedding, Transformer layers, softmax.
+
+  Args:
+    num_layers: Transformer layers.
+    dim: Model dimension.
+    num_heads: Attention heads.
+    hidden_dim: Feed-forward hidden dimension.
+    loss_inside: If True the last cell computes the loss (`CharLossCell`,
+      for schedule='1f1b'), and the pipeline takes ids, paddings and labels.
+
+  Returns:
+    The cells' Params.
+  """
+  last = CharLossCell if loss_inside else CharSoftmaxCell
   return ([CharEmbeddingCell.Params().Set(name='embedding', dim=dim)] + [
       TransformerCell.Params().Set(
           name=f'layer{i}', dim=dim, num_heads=num_heads,
           hidden_dim=hidden_dim) for i in range(num_layers)
-  ] + [CharSoftmaxCell.Params().Set(name='softmax', dim=dim)])
+  ] + [last.Params().Set(name='softmax', dim=dim)])
 
 
 class CharLmTask(pipelined_task.PipelinedTask):
-  """Next-byte prediction; `stack` maps ids, paddings [T, B] to logits."""
+  """Next-byte prediction; `stack` maps ids, paddings [T, B] to logits.
+
+  With a schedule that computes the loss inside the pipeline (schedule=
+  '1f1b', cells from `CharLmCells(..., loss_inside=True)`), `stack` maps ids,
+  paddings and labels to the loss and accuracy.
+  """
 
   def ComputePredictions(self, theta, input_batch):
     ids = tf.transpose(input_batch.ids)
     paddings = tf.transpose(input_batch.paddings)
+    if self.stack.loss_inside:
+      loss, accuracy = self.stack.FProp(theta.stack, ids, paddings,
+                                        tf.transpose(input_batch.labels))
+      return py_utils.NestedMap(loss=loss, accuracy=accuracy)
     logits, _ = self.stack.FProp(theta.stack, ids, paddings)
     return py_utils.NestedMap(logits=logits)
 
@@ -210,9 +261,13 @@ class CharLmTask(pipelined_task.PipelinedTask):
     Returns:
       (metrics, per_example): Lingvo's {name: (value, weight)} and {}.
     """
-    loss, accuracy, count = pipelined_task.SoftmaxMetrics(
-        predictions.logits, tf.transpose(input_batch.labels),
-        1.0 - tf.transpose(input_batch.paddings))
+    if self.stack.loss_inside:
+      loss, accuracy = predictions.loss, predictions.accuracy
+      count = tf.reduce_sum(1.0 - input_batch.paddings)
+    else:
+      loss, accuracy, count = pipelined_task.SoftmaxMetrics(
+          predictions.logits, tf.transpose(input_batch.labels),
+          1.0 - tf.transpose(input_batch.paddings))
     batch_metrics = {
         'loss': (loss, count),
         'log_pplx': (loss, count),
@@ -223,6 +278,12 @@ class CharLmTask(pipelined_task.PipelinedTask):
 
   def Decode(self, input_batch):
     """Greedy next-byte predictions of a held-out batch (teacher forced)."""
+    if self.stack.loss_inside:
+      raise ValueError(
+          'Decoding needs the logits, and this pipeline ends in its loss '
+          f'(schedule={self.params.stack.schedule!r}); decode the same '
+          'checkpoint with the model that has a softmax cell (e.g. '
+          'lm.GPipeCharLm for lm.GPipeCharLm1F1B).')
     predictions = self.ComputePredictions(self.theta, input_batch)
     return py_utils.NestedMap(
         ids=input_batch.ids,
@@ -263,6 +324,8 @@ class GPipeCharLm(base_model_params.SingleTaskModelParams):
   MAX_STEPS = 300
   LEARNING_RATE = 3e-3
   RANDOM_SEED = 1234  # Same initial weights in every run.
+  SCHEDULE = 'gpipe'
+  LOSS_IN_PIPELINE = False  # The last cell computes the loss (for 1F1B).
 
   def Train(self):
     return CharLmInput.Params().Set(
@@ -277,11 +340,12 @@ class GPipeCharLm(base_model_params.SingleTaskModelParams):
     p.stack = GPipeSequentialLayer.Params().Set(
         name='stack',
         cell_tpl=CharLmCells(self.NUM_LAYERS, self.DIM, self.NUM_HEADS,
-                             self.HIDDEN_DIM),
+                             self.HIDDEN_DIM, self.LOSS_IN_PIPELINE),
         num_stages=self.NUM_STAGES,
         num_micro_batches=self.NUM_MICRO_BATCHES,
         partition='params',
-        batch_dim=1)
+        batch_dim=1,
+        schedule=self.SCHEDULE)
     pipelined_task.SetTrainSchedule(p.train, self.LEARNING_RATE,
                                     self.MAX_STEPS, final_value=0.1,
                                     save_interval_steps=50)
@@ -309,3 +373,23 @@ class GPipeCharLmTiny(GPipeCharLm):
     p = super().Task()
     p.train.save_interval_steps = 5
     return p
+
+
+@model_registry.RegisterSingleTaskModel
+class GPipeCharLm1F1B(GPipeCharLm):
+  """GPipeCharLm with its loss in the last cell, run by the 1F1B schedule.
+
+  Same variables, data and seeds: the same losses as GPipeCharLm, with each
+  stage holding at most K - k micro-batches in flight.
+  """
+
+  SCHEDULE = '1f1b'
+  LOSS_IN_PIPELINE = True
+
+
+@model_registry.RegisterSingleTaskModel
+class GPipeCharLmTiny1F1B(GPipeCharLmTiny):
+  """GPipeCharLmTiny with its loss in the last cell, run by 1F1B."""
+
+  SCHEDULE = '1f1b'
+  LOSS_IN_PIPELINE = True

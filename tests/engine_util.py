@@ -10,12 +10,11 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.engine import loop
-from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.planning import schedule
 
 # Every (engine, remat) pair that builds a step.
 ENGINE_REMAT_MODES = [(engine, remat) for engine in schedule.ENGINES
-                      for remat in pipeline.RematModes(engine)]
+                      for remat in schedule.REMAT_MODES]
 
 NUM_DEVICES = 4
 CPUS = [f'/job:localhost/replica:0/task:0/device:CPU:{i}'

@@ -21,6 +21,7 @@ CONV_INPUT = RNG.randn(8, 6, 6, 3).astype(np.float32)
 TR_VECS = RNG.randn(5, 8, 8).astype(np.float32)  # [time, batch, dim]
 TR_PADDINGS = np.zeros([5, 8], np.float32)
 TR_PADDINGS[3:, :4] = 1.0
+CIRCULAR_INPUT = RNG.randn(32, 8).astype(np.float32)
 
 KS = (1, 2, 4)
 MS = (1, 2, 4, 8)
@@ -41,6 +42,31 @@ def testFCTransparentInFunction(k, m, engine):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
                            num_micro_batches=m, engine=engine)
   pipe, ref = test_util.RunFunction(p, test_util.FCCells, [FC_INPUT])
+  engine_util.AssertTransparent(pipe, ref)
+
+
+def _CircularCells():
+  return test_util.FCCells(8)
+
+
+@pytest.mark.parametrize('k,v', [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize('m', MS + (pytest.param(32, marks=pytest.mark.slow),))
+def testCircularTransparentInGraph(k, v, m, engine):
+  """8 FC cells as K v chunks (K v <= 8), chunk c on device c % K."""
+  p = test_util.PipeParams(_CircularCells(), num_stages=k, virtual_stages=v,
+                           num_micro_batches=m, engine=engine)
+  pipe, ref, _ = test_util.RunGraph(p, _CircularCells, [CIRCULAR_INPUT])
+  engine_util.AssertTransparent(pipe, ref)
+
+
+@pytest.mark.parametrize('jit_compile', [False, True])
+@pytest.mark.parametrize('engine,remat', engine_util.ENGINE_REMAT_MODES)
+def testCircularTransparentInFunction(jit_compile, engine, remat):
+  p = test_util.PipeParams(_CircularCells(), num_stages=2, virtual_stages=2,
+                           num_micro_batches=4, engine=engine, remat=remat,
+                           partition='params')
+  pipe, ref = test_util.RunFunction(p, _CircularCells, [CIRCULAR_INPUT],
+                                    jit_compile=jit_compile)
   engine_util.AssertTransparent(pipe, ref)
 
 
@@ -326,8 +352,12 @@ def testPartitionPlanIsLoggedOnce(partition, num_stages, logged_at_init,
      r"of \['gpipe'"),
     (dict(engine='fast'), "engine='fast' is not supported; use one of "
      r"\['auto', 'unrolled', 'loop'\]"),
-    (dict(engine='loop', remat='never'),
-     "remat='never' is not supported with engine='loop'"),
+    (dict(engine='unrolled', schedule='1f1b'),
+     "schedule='1f1b' is not supported with engine='unrolled'"),
+    (dict(num_stages=2, virtual_stages=2, schedule='1f1b',
+          num_micro_batches=3), 'num_micro_batches=3 with '
+     "schedule='1f1b' and virtual_stages=2 must be a multiple of "
+     'num_stages=2'),
     (dict(cell_tpl=test_util.FCCells(1) + [
         test_util.layers.FCLayer.Params().Set(name='', input_dim=8,
                                               output_dim=8)]),

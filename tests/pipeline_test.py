@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.engine import pipeline
+from lingvo_gpipe.planning import schedule
 import engine_util
 
 RNG = np.random.RandomState(1)
@@ -29,13 +30,16 @@ def Plain(weights, x):
   return x
 
 
-def Piped(weights, x, k, m, remat, devices, engine):
-  per = len(weights) // k
-  pipe = pipeline.Pipeline([DenseStage] * k, devices[:k], m, remat=remat,
-                           engine=engine)
-  states = [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * k
-  (y, mask), states = pipe([weights[i * per:(i + 1) * per] for i in range(k)],
-                           [x, None], states)
+def Piped(weights, x, k, m, remat, devices, engine, virtual_stages=1):
+  """The weights cut into K v chunks, chunk c on devices[c % K]."""
+  chunks = k * virtual_stages
+  per = len(weights) // chunks
+  pipe = pipeline.Pipeline([DenseStage] * chunks, devices[:k], m, remat=remat,
+                           engine=engine, virtual_stages=virtual_stages)
+  states = [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * chunks
+  (y, mask), states = pipe(
+      [weights[i * per:(i + 1) * per] for i in range(chunks)], [x, None],
+      states)
   assert mask is None
   return y, states
 
@@ -44,26 +48,37 @@ def Loss(y, aux):
   return tf.reduce_sum(y * y) + 3.0 * aux
 
 
+def _CheckTransparentInGraph(engine, k, virtual_stages, micro_batches):
+  for m in micro_batches:
+    for remat in schedule.REMAT_MODES:
+      graph = tf.Graph()
+      with graph.as_default():
+        ws = [tf.constant(w) for w in WEIGHTS]
+        x = tf.constant(X)
+        y0 = Plain(ws, x)
+        # The aux state of the last chunk sums mean(y) over micro-batches.
+        aux0 = tf.add_n([tf.reduce_mean(p) for p in tf.split(y0, m)])
+        g0 = tf.gradients(Loss(y0, aux0), ws + [x])
+        y1, states = Piped(ws, x, k, m, remat, engine_util.CPUS, engine,
+                           virtual_stages)
+        g1 = tf.gradients(Loss(y1, states[-1]['aux']), ws + [x])
+        with tf.compat.v1.Session(
+            graph=graph, config=engine_util.SessionConfig()) as sess:
+          expected, actual, calls = sess.run(
+              [[y0] + g0, [y1] + g1, [s['calls'] for s in states]])
+      engine_util.AssertTransparent(actual, expected)
+      assert calls == [m] * k * virtual_stages  # Each chunk, each micro-batch.
+
+
 def testTransparentInGraphAllRematModes(engine):
   for k in (1, 2, 4):
-    for m in (1, 2, 4, 8):
-      for remat in pipeline.RematModes(engine):
-        graph = tf.Graph()
-        with graph.as_default():
-          ws = [tf.constant(w) for w in WEIGHTS]
-          x = tf.constant(X)
-          y0 = Plain(ws, x)
-          # The aux state of the last stage sums mean(y) over micro-batches.
-          aux0 = tf.add_n([tf.reduce_mean(p) for p in tf.split(y0, m)])
-          g0 = tf.gradients(Loss(y0, aux0), ws + [x])
-          y1, states = Piped(ws, x, k, m, remat, engine_util.CPUS, engine)
-          g1 = tf.gradients(Loss(y1, states[-1]['aux']), ws + [x])
-          calls = [s['calls'] for s in states]
-          with tf.compat.v1.Session(
-              graph=graph, config=engine_util.SessionConfig()) as sess:
-            expected, actual, calls = sess.run([[y0] + g0, [y1] + g1, calls])
-        engine_util.AssertTransparent(actual, expected)
-        assert calls == [m] * k, (k, m, remat, calls)
+    _CheckTransparentInGraph(engine, k, 1, (1, 2, 4, 8))
+
+
+@pytest.mark.parametrize('k,v', [(1, 2), (1, 4), (2, 2)])
+def testCircularTransparentInGraphAllRematModes(engine, k, v):
+  """4 layers as K v chunks, chunk c on device c % K, every remat mode."""
+  _CheckTransparentInGraph(engine, k, v, (1, 2, 4, 8))
 
 
 @pytest.mark.parametrize('jit_compile', [False, True])
@@ -84,8 +99,6 @@ def testTransparentInFunction(jit_compile, engine):
 
   for k, m, remat in [(1, 1, 'always'), (2, 4, 'always'),
                       (4, 8, 'except_last'), (4, 2, 'never')]:
-    if remat not in pipeline.RematModes(engine):
-      continue
     expected, actual = Step(k, m, remat)
     engine_util.AssertTransparent([a.numpy() for a in actual],
                                 [e.numpy() for e in expected])
@@ -124,10 +137,6 @@ def testCapturedTrainableVariableIsRejected(engine):
     (dict(remat='sometimes'), "remat='sometimes' is not supported"),
     (dict(batch_dim=-1), 'batch_dim=-1'),
     (dict(engine='fast'), "engine='fast' is not supported"),
-    (dict(engine='loop', remat='never'),
-     "remat='never' is not supported with engine='loop'"),
-    (dict(engine='loop', remat='except_last'),
-     "remat='except_last' is not supported with engine='loop'"),
 ])
 def testBadConfiguration(kwargs, message):
   args = dict(stage_fns=[DenseStage], devices=[''], num_micro_batches=1)
@@ -148,8 +157,8 @@ def testIndivisibleBatchFailsBeforeBuilding(engine):
     assert len(graph.get_operations()) == num_ops
 
 
-def _HloLines(engine, num_micro_batches):
-  """Lines of the XLA HLO of a K=4 training step's gradients."""
+def _HloLines(engine, num_micro_batches, k=4, virtual_stages=1):
+  """Lines of the XLA HLO of a training step's gradients (4 layers)."""
   ws = [tf.constant(w) for w in WEIGHTS]
   x = tf.constant(np.tile(X, [4, 1]))  # Batch 32: M up to 32.
 
@@ -157,8 +166,8 @@ def _HloLines(engine, num_micro_batches):
   def Step():
     with tf.GradientTape() as tape:
       tape.watch(ws)
-      y, states = Piped(ws, x, 4, num_micro_batches, 'always', [''] * 4,
-                        engine)
+      y, states = Piped(ws, x, k, num_micro_batches, 'always', [''] * k,
+                        engine, virtual_stages)
       loss = Loss(y, states[-1]['aux'])
     return tape.gradient(loss, ws)
 
@@ -172,3 +181,132 @@ def testLoopGraphDoesNotGrowWithM():
   assert loop[0] == loop[1], loop
   assert unrolled[1] > 5 * unrolled[0], unrolled  # K x M calls.
   assert loop[1] < unrolled[1], (loop, unrolled)
+
+
+def testCircularLoopGraphDoesNotGrowWithM():
+  """K = 2, v = 2 on the loop engine: the same HLO for M = 4 and 32."""
+  lines = [_HloLines('loop', m, k=2, virtual_stages=2) for m in (4, 32)]
+  assert lines[1] <= 1.25 * lines[0], lines
+
+
+# Schedules with the loss inside the pipeline (1F1B).
+
+
+def LossStage(theta, inputs, state, micro_batch_id):
+  """DenseStage, then the micro-batch's loss and a metric (scalars)."""
+  (y, _), state = DenseStage(theta, inputs, state, micro_batch_id)
+  return (tf.reduce_mean(y * y), tf.reduce_max(y)), state
+
+
+def _LossPiped(weights, x, k, m, remat, v=1):
+  """The loss and metric means of a 1F1B pipeline over the weights."""
+  chunks = k * v
+  per = len(weights) // chunks
+  pipe = pipeline.Pipeline([DenseStage] * (chunks - 1) + [LossStage],
+                           engine_util.CPUS[:k], m, remat=remat,
+                           engine='loop', schedule='1f1b', virtual_stages=v)
+  states = [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * chunks
+  (loss, metric), states = pipe(
+      [weights[i * per:(i + 1) * per] for i in range(chunks)], [x, None],
+      states)
+  return loss, metric, states
+
+
+def _LossPlain(weights, x, m):
+  parts = [Plain(weights, p) for p in tf.split(x, m)]
+  return (tf.add_n([tf.reduce_mean(y * y) for y in parts]) / m,
+          tf.add_n([tf.reduce_max(y) for y in parts]) / m)
+
+
+X32 = np.tile(X, [4, 1])
+
+
+@pytest.mark.parametrize('k,v', [(1, 1), (2, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize('remat', ['always', 'never'])
+def testOneFOneBLossAndGradientsAreTheMeanLoss(k, v, remat):
+  """1F1B: loss, metric and every gradient of the mean loss, vs plain.
+
+  K in {1, 2, 4} x M in {1, 4, 8, 32} and interleaved (K = v = 2, M a
+  multiple of K), in both remat modes that matter (recompute, or stash the
+  activations between a call's forward and backward ticks).
+
+  Args:
+    k: K.
+    v: Virtual stages.
+    remat: The remat mode.
+  """
+  for m in (1, 4, 8, 32):
+    if v > 1 and m % k:
+      continue
+    graph = tf.Graph()
+    with graph.as_default():
+      ws = [tf.constant(w) for w in WEIGHTS]
+      x = tf.constant(X32)
+      loss0, metric0 = _LossPlain(ws, x, m)
+      g0 = tf.gradients(loss0, ws + [x])
+      loss1, metric1, states = _LossPiped(ws, x, k, m, remat, v)
+      g1 = tf.gradients(3.0 * loss1, ws + [x])  # The upstream gradient: 3.
+      with tf.compat.v1.Session(graph=graph,
+                                config=engine_util.SessionConfig()) as sess:
+        expected, actual, calls = sess.run(
+            [[loss0, metric0] + [3.0 * g for g in g0],
+             [loss1, metric1] + g1, [s['calls'] for s in states]])
+    engine_util.AssertTransparent(actual, expected)
+    assert calls == [m] * k * v
+
+
+def testOneFOneBInFunctionAndXla():
+  ws = [tf.constant(w) for w in WEIGHTS]
+  x = tf.constant(X32)
+  for jit_compile in (False, True):
+
+    @tf.function(jit_compile=jit_compile, autograph=False)
+    def Step():
+      with tf.GradientTape(persistent=True) as tape:
+        tape.watch(ws + [x])
+        loss0, _ = _LossPlain(ws, x, 8)
+        loss1, _, _ = _LossPiped(ws, x, 2, 8, 'never')
+      return ([loss0] + tape.gradient(loss0, ws + [x]),
+              [loss1] + tape.gradient(loss1, ws + [x]))
+
+    expected, actual = Step()
+    engine_util.AssertTransparent([a.numpy() for a in actual],
+                                  [e.numpy() for e in expected])
+
+
+def testOneFOneBGradientThroughAMetricIsAnError():
+  with tf.Graph().as_default():
+    ws = [tf.constant(w) for w in WEIGHTS]
+    loss, metric, states = _LossPiped(ws, tf.constant(X32), 2, 4, 'always')
+    tf.gradients(loss, ws)  # Fine.
+    with pytest.raises(ValueError, match='other than its first'):
+      tf.gradients(loss + metric, ws)
+    with pytest.raises(ValueError, match='other than its first'):
+      tf.gradients(loss + states[-1]['aux'], ws)
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(engine='unrolled'), "schedule='1f1b' is not supported with "
+     "engine='unrolled'"),
+    (dict(virtual_stages=2, num_micro_batches=3), 'num_micro_batches=3 with '
+     "schedule='1f1b' and virtual_stages=2 must be a multiple of "
+     'num_stages=2'),
+    (dict(schedule='zigzag'), "schedule='zigzag' is not supported"),
+])
+def testOneFOneBBadConfiguration(kwargs, message):
+  args = dict(stage_fns=[DenseStage] * 4, devices=['', ''],
+              num_micro_batches=4, engine='loop', schedule='1f1b',
+              virtual_stages=2)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    pipeline.Pipeline(**args)
+
+
+def testOneFOneBLastCellMustReturnScalars():
+  pipe = pipeline.Pipeline([DenseStage] * 2, ['', ''], 2, engine='loop',
+                           schedule='1f1b')
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match='needs a last cell that returns '
+                       'scalars'):
+      pipe([WEIGHTS[:2], WEIGHTS[2:]], [tf.constant(X), None],
+           [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * 2)

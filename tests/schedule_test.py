@@ -414,27 +414,90 @@ def testStageOccupancy():
     simulate.StageOccupancy([], 1)
 
 
-@pytest.mark.parametrize('engine,k,m,remat,xla,expected', [
-    ('auto', 8, 15, 'always', False, 'unrolled'),
-    ('auto', 2, 16, 'always', False, 'loop'),
-    ('auto', 1, 32, 'always', False, 'loop'),
-    ('auto', 2, 2, 'always', True, 'loop'),
-    ('auto', 8, 64, 'never', False, 'unrolled'),
-    ('auto', 8, 64, 'except_last', True, 'unrolled'),
-    ('unrolled', 8, 64, 'always', True, 'unrolled'),
-    ('loop', 1, 1, 'always', False, 'loop'),
+@pytest.mark.parametrize('engine,k,m,remat,xla,schedule_name,expected', [
+    ('auto', 8, 15, 'always', False, 'gpipe', 'unrolled'),
+    ('auto', 2, 16, 'always', False, 'gpipe', 'loop'),
+    ('auto', 1, 32, 'never', False, 'gpipe', 'loop'),
+    ('auto', 2, 2, 'always', True, 'gpipe', 'loop'),
+    ('auto', 2, 2, 'never', False, '1f1b', 'loop'),
+    ('unrolled', 8, 64, 'always', True, 'gpipe', 'unrolled'),
+    ('loop', 1, 1, 'except_last', False, 'gpipe', 'loop'),
 ])
-def testChooseEngine(engine, k, m, remat, xla, expected):
+def testChooseEngine(engine, k, m, remat, xla, schedule_name, expected):
   assert schedule.AUTO_LOOP_MIN_MICRO_BATCHES == 16
-  assert schedule.ChooseEngine(engine, k, m, remat, xla) == expected
+  assert schedule.ChooseEngine(engine, k, m, remat, xla,
+                               schedule_name) == expected
 
 
-@pytest.mark.parametrize('engine,remat,message', [
-    ('fast', 'always', r"engine='fast' is not supported; use one of \['auto', "
-     r"'unrolled', 'loop'\]"),
-    ('loop', 'never', "remat='never' is not supported with engine='loop'"),
-    ('auto', 'often', "remat='often' is not supported"),
+@pytest.mark.parametrize('engine,remat,schedule_name,message', [
+    ('fast', 'always', 'gpipe', r"engine='fast' is not supported; use one of "
+     r"\['auto', 'unrolled', 'loop'\]"),
+    ('unrolled', 'never', '1f1b', "schedule='1f1b' is not supported with "
+     "engine='unrolled'"),
+    ('auto', 'often', 'gpipe', "remat='often' is not supported"),
+    ('auto', 'always', 'zigzag', "schedule='zigzag' is not supported"),
 ])
-def testChooseEngineErrors(engine, remat, message):
+def testChooseEngineErrors(engine, remat, schedule_name, message):
   with pytest.raises(ValueError, match=message):
-    schedule.ChooseEngine(engine, 2, 2, remat)
+    schedule.ChooseEngine(engine, 2, 2, remat, schedule=schedule_name)
+
+
+# 1F1B.
+
+
+def _InFlight(table, device):
+  """The most micro-batches (of any chunk) a device has begun, not ended."""
+  live, most = set(), 0
+  for action in table.device_orders[device]:
+    key = (action.chunk, action.micro_batch)
+    if action.phase == F:
+      live.add(key)
+      most = max(most, len(live))
+    else:
+      live.remove(key)
+  return most
+
+
+@pytest.mark.parametrize('k,m', [(1, 1), (2, 2), (4, 2), (4, 8), (4, 32),
+                                 (8, 64)])
+def testOneFOneBHoldsAtMostKMinusKMicroBatches(k, m):
+  """Device k: at most K - k in flight (GPipe: M); GPipe's bubble."""
+  table = schedule.BuildTable('1f1b', k, m)
+  assert not table.loss_outside
+  assert [_InFlight(table, d) for d in range(k)] == [
+      min(k - d, m) for d in range(k)]
+  gpipe = schedule.BuildTable('gpipe', k, m)
+  assert [_InFlight(gpipe, d) for d in range(k)] == [m] * k
+  # Equal calls (forward 1, backward 2): the same step as GPipe's.
+  sim = simulate.Simulate(table, [1.0] * k, [2.0] * k, 'never')
+  assert sim.step_time == simulate.Simulate(gpipe, [1.0] * k, [2.0] * k,
+                                            'never').step_time
+  assert sim.bubble_fraction == pytest.approx(schedule.BubbleFraction(k, m))
+  # Each device alternates one forward and one backward in steady state.
+  order = ''.join(a.phase[0] for a in table.device_orders[0])
+  assert order == 'f' * min(k, m) + 'bf' * (m - min(k, m)) + 'b' * min(k, m)
+
+
+@pytest.mark.parametrize('k,v,m', [(2, 2, 2), (2, 2, 4), (4, 2, 8),
+                                   (2, 4, 8)])
+def testInterleavedOneFOneBCutsTheBubble(k, v, m):
+  """Megatron's order: chunks a v-th the size, less idle time than v = 1."""
+  table = schedule.BuildTable('1f1b', k, m, v)
+  assert table.num_chunks == k * v
+  plain = simulate.Simulate(schedule.BuildTable('1f1b', k, m), [1.0] * k,
+                            [2.0] * k, 'never')
+  interleaved = simulate.Simulate(table, [1.0 / v] * (k * v),
+                                  [2.0 / v] * (k * v), 'never')
+  assert interleaved.step_time < plain.step_time
+  assert interleaved.bubble_fraction < plain.bubble_fraction
+  # Megatron: every device's in-flight count does not grow with M.
+  bigger = schedule.BuildTable('1f1b', k, 4 * m, v)
+  assert [_InFlight(bigger, d) for d in range(k)] == [
+      _InFlight(table, d) for d in range(k)] or m == k
+
+
+def testInterleavedOneFOneBNeedsKToDivideM():
+  with pytest.raises(ValueError, match=r"num_micro_batches=3 with "
+                     r"schedule='1f1b' and virtual_stages=2 must be a "
+                     'multiple of num_stages=2'):
+    schedule.BuildTable('1f1b', 2, 3, 2)

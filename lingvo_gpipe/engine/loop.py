@@ -2,31 +2,35 @@
 
 The graph holds each chunk's body once, whatever M is. A table
 (`schedule.Table`) says, per tick and device, which chunk runs which
-micro-batch in which phase; this engine runs its forward ticks as one
-`tf.while_loop` and its backward ticks as another. At every tick each device
-runs the action the table gives it under `tf.device(device_k)`: directly if
-it runs the same chunk at every tick of a stretch of ticks, else through a
-`tf.cond` or `tf.switch_case` that picks the chunk (an idle device computes
-nothing).
+micro-batch in which phase. At every tick each device runs the action the
+table gives it under `tf.device(device_k)`: directly if it runs the same
+action at every tick of a stretch of ticks, else through a `tf.cond` or
+`tf.switch_case` that picks it (an idle device computes nothing). A GPipe
+table, whose loss is computed after the pipeline, runs as a forward loop in
+the forward pass and a backward loop in its gradient; a table with the loss
+inside the pipeline (1F1B) runs forward and backward actions interleaved in
+one loop in the forward pass, and its gradient scales what that loop
+computed.
 
-Between chunks, activations and gradients travel through **per-boundary
-buffers indexed by micro-batch**: the input of chunk c is a TensorArray of M
-entries on chunk c's device, written at the tick chunk c - 1 produces it and
-read whenever the table runs chunk c on that micro-batch, so no assumption
-about the distance between producer and consumer ticks is made. The same
-buffers are the saved chunk inputs the backward pass recomputes from: with
-re-materialization, across ticks only the chunk inputs, the chunk states per
-micro-batch, the weight-gradient sums and the current calls' activations
-live. The gradients of chunk c's output travel the same way, in buffers on
-chunk c's device. A tick's results are written to their buffers after the
-devices' calls, at the micro-batch the table names, or at a spare entry M
-when the chunk did not run: one write per chunk and tick, no branch.
+Between chunks, activations and gradients travel through **buffers indexed
+by slot**: the input of chunk c is a TensorArray on chunk c's device, written
+at the tick chunk c - 1 produces it and read whenever the table runs chunk c
+on that micro-batch, so no assumption about the distance between producer
+and consumer ticks is made. A slot holds one micro-batch from its write to
+its last read, and slots are reused once free (`_Slots`): a GPipe step
+needs M slots, a 1F1B step only the micro-batches in flight. The same
+buffers are the saved chunk inputs the backward recomputes from. The
+gradients of chunk c's output travel the same way, in buffers on chunk c's
+device. A tick's results are written to their buffers after the devices'
+calls, at the slot the table gives, or at a spare slot when the chunk did
+not run: one write per chunk and tick, no branch.
 
-This engine always re-materializes (remat='always'). 'except_last' and
-'never' would keep a call's activations beyond the loop iteration that made
-them; letting TensorFlow differentiate the forward loop would do that, but
-its while-loop gradient of a `tf.cond` does not compile with XLA, so they are
-rejected with a pointer to the unrolled engine.
+Re-materialization (`schedule.RecomputedCalls`): a call that recomputes
+keeps only its input and state and reruns its forward in its backward
+(`stage.Stage.backward`); a call that keeps its activations runs the
+forward half of TensorFlow's own split of the call (`stage.SplitCall`) and
+stashes the intermediates its backward half reads, in a buffer on its
+device, from the tick of its forward to the tick of its backward.
 
 Weight gradients are summed densely: an embedding's sparse (IndexedSlices)
 gradient becomes a dense tensor of the table's shape.
@@ -37,7 +41,8 @@ gradient becomes a dense tensor of the table's shape.
 """
 
 import contextlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import heapq
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -58,6 +63,8 @@ from lingvo_gpipe.planning import schedule
 LOWER_CONTROL_FLOW = False
 _LOWERING_ATTR = '_lower_using_switch_merge'
 _BRANCH_OPS = ('If', 'StatelessIf', 'Case', 'StatelessCase')
+
+F, B = schedule.FORWARD, schedule.BACKWARD
 
 
 @contextlib.contextmanager
@@ -93,9 +100,9 @@ def _Placeholder(spec: tf.TensorSpec) -> tf.Tensor:
   return tf.zeros(shape, spec.dtype)
 
 
-def _Buffer(spec: tf.TensorSpec, num_micro: int) -> tf.TensorArray:
-  """A per-micro-batch buffer: entries 0 .. M - 1, and M for idle writes."""
-  return tf.TensorArray(spec.dtype, size=num_micro + 1,
+def _Buffer(spec: tf.TensorSpec, num_slots: int) -> tf.TensorArray:
+  """A buffer of `num_slots` slots and a spare one, for writes of idle ticks."""
+  return tf.TensorArray(spec.dtype, size=num_slots + 1,
                         element_shape=spec.shape, clear_after_read=False)
 
 
@@ -105,6 +112,12 @@ def _Dense(t: Any) -> Optional[tf.Tensor]:
 
 def _Flow(v: Any) -> tf.Tensor:
   return v.flow if isinstance(v, tf.TensorArray) else v
+
+
+def _Scatter(values: Sequence[Any], mask: Sequence[bool]) -> List[Any]:
+  """Puts `values` where `mask` is True, None elsewhere."""
+  values = iter(values)
+  return [next(values) if present else None for present in mask]
 
 
 class _Boundary:
@@ -128,49 +141,621 @@ class _Boundary:
     return [stage_lib.IsDifferentiable(s) for s in self.specs]
 
 
-class _Plan:
-  """What the loops need to know of every chunk, found by tracing each once.
+class _Chunk:
+  """One chunk as the loops see it, found by tracing its body once.
 
   Attributes:
-    chunks: The C chunks (stages), each with its device.
-    theta: Per chunk, its flat weights (read once per step).
-    inputs: Per chunk, the boundary it reads (chunk 0: the micro-batch).
-    outputs: The last chunk's output boundary.
-    states: Per chunk, its flat initial state.
+    stage: The chunk's `stage.Stage` (body and device).
+    theta: Its flat weights (read once per step).
+    inputs: The boundary it reads (chunk 0: the micro-batch).
+    outputs: The boundary it writes.
+    state: Its flat initial state.
+    split: Its `stage.SplitCall`, if some call keeps its activations.
   """
 
-  def __init__(self, chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
-               first_inputs: _Boundary, states: Sequence[Any],
-               check_weights: bool):
-    self.chunks = list(chunks)
-    self.theta, self.inputs, self.states = [], [], []
-    boundary = first_inputs
-    id_spec = tf.TensorSpec([], tf.int64)
-    for s, theta, state in zip(chunks, thetas, states):
-      with tf.device(s.device):
-        theta_flat = s.FlattenTheta(theta)
-      x_specs, state_flat = s.FlattenCall(boundary.Structure(), state)
-      args = (theta_flat, x_specs, state_flat, id_spec)
-      if check_weights:  # The recompute must see every weight in theta.
-        s.CheckNoCapturedWeights(*args)
-      with tf.device(s.device):
-        results = s.forward.get_concrete_function(*args).structured_outputs
-      self.theta.append(theta_flat)
-      self.inputs.append(boundary)
-      self.states.append(state_flat)
-      num_y = len(results) - s.num_state
-      boundary = _Boundary(s.output_mask, [_Spec(y) for y in results[:num_y]])
-    self.outputs = boundary
+  def __init__(self, stage: stage_lib.Stage, theta: Any, inputs: _Boundary,
+               state: Any, check_weights: bool, split: bool):
+    self.stage = stage
+    with tf.device(stage.device):
+      self.theta = stage.FlattenTheta(theta)
+    x_specs, self.state = stage.FlattenCall(inputs.Structure(), state)
+    args = (self.theta, x_specs, self.state, tf.TensorSpec([], tf.int64))
+    if check_weights:  # The recompute must see every weight in theta.
+      stage.CheckNoCapturedWeights(*args)
+    with tf.device(stage.device):
+      concrete = stage.forward.get_concrete_function(*args)
+    results = concrete.structured_outputs
+    num_y = len(results) - stage.num_state
+    self.inputs = inputs
+    self.outputs = _Boundary(stage.output_mask,
+                             [_Spec(y) for y in results[:num_y]])
+    self.split = stage_lib.SplitCall(concrete, stage.name) if split else None
 
   @property
-  def num_chunks(self) -> int:
-    return len(self.chunks)
+  def device(self) -> str:
+    return self.stage.device
 
-  def Output(self, c: int) -> _Boundary:
-    return self.inputs[c + 1] if c + 1 < self.num_chunks else self.outputs
+  def Args(self, x: List[tf.Tensor], state: List[tf.Tensor],
+           micro_batch_id: tf.Tensor) -> List[tf.Tensor]:
+    """The flat arguments of a forward call."""
+    return list(self.theta) + list(x) + list(state) + [micro_batch_id]
 
-  def Device(self, c: int) -> str:
-    return self.chunks[c].device
+
+def _Slots(intervals: Dict[int, Tuple[int, int]]) -> Tuple[int, Dict[int,
+                                                                     int]]:
+  """Assigns buffer slots to micro-batches live over [first, last] ticks.
+
+  A slot is free again at the tick its last reader runs (a write after the
+  read at the same tick is safe: buffers are values). Greedy by first tick,
+  which uses as few slots as the most micro-batches live at once.
+
+  Args:
+    intervals: {micro_batch: (tick of the write, tick of the last read)}.
+
+  Returns:
+    (number of slots, {micro_batch: slot}).
+  """
+  busy, free, slots, count = [], [], {}, 0
+  for m, (first, last) in sorted(intervals.items(),
+                                 key=lambda item: (item[1][0], item[0])):
+    while busy and busy[0][0] <= first:
+      heapq.heappush(free, heapq.heappop(busy)[1])
+    if free:
+      slot = heapq.heappop(free)
+    else:
+      slot, count = count, count + 1
+    slots[m] = slot
+    heapq.heappush(busy, (last, slot))
+  return count, slots
+
+
+class _Layout:
+  """Where every micro-batch lives in the buffers, and what each tick does.
+
+  Buffers (per chunk c): 'input' (chunk c's input, c > 0), 'state' (its
+  state before the call), 'stash' (what a call keeping its activations
+  stashes), 'grad' (the gradient of its output, c < C - 1); and 'output'
+  (the last chunk's outputs) and 'd_input' (the gradient of the stacked
+  input), one slot per micro-batch.
+
+  Attributes:
+    table: The schedule.
+    recomputes: {(chunk, micro_batch): whether its backward recomputes}.
+    sizes: {(buffer, chunk): number of slots}.
+    slots: {(buffer, chunk): {micro_batch: slot}}.
+  """
+
+  # Per device, the fields of a tick's row: the action's branch index, its
+  # micro-batch, and the slots it reads.
+  DEVICE_FIELDS = ('branch', 'micro_batch', 'input', 'state', 'stash', 'grad')
+
+  def __init__(self, table: schedule.Table, recomputes: Dict[Tuple[int, int],
+                                                             bool],
+               training: bool):
+    self.table = table
+    self.recomputes = recomputes
+    tick = table.tick_of
+    num_chunks, num_micro = table.num_chunks, table.num_micro_batches
+    live = {}
+    for c in range(num_chunks):
+      for m in range(num_micro):
+        forward = tick[schedule.Action(F, c, m)]
+        backward = tick.get(schedule.Action(B, c, m))
+        if c:
+          produced = tick[schedule.Action(F, c - 1, m)]
+          live.setdefault(('input', c), {})[m] = (
+              produced, backward if training else forward)
+        if training:
+          live.setdefault(('state', c), {})[m] = (forward, backward)
+          if not recomputes[c, m]:
+            live.setdefault(('stash', c), {})[m] = (forward, backward)
+          if c + 1 < num_chunks:
+            live.setdefault(('grad', c), {})[m] = (
+                tick[schedule.Action(B, c + 1, m)], backward)
+    self.sizes, self.slots = {}, {}
+    for key, intervals in live.items():
+      self.sizes[key], self.slots[key] = _Slots(intervals)
+    for key in (('output', num_chunks - 1), ('d_input', 0)):
+      self.sizes[key] = num_micro
+      self.slots[key] = {m: m for m in range(num_micro)}
+
+  def Size(self, buffer: str, chunk: int) -> int:
+    return self.sizes.get((buffer, chunk), 0)
+
+  def Slot(self, buffer: str, chunk: int, micro_batch: int) -> int:
+    return self.slots.get((buffer, chunk), {}).get(micro_batch, 0)
+
+  def Key(self, action: schedule.Action) -> Tuple[str, int, bool]:
+    """The branch an action runs: (phase, chunk, keeps its activations)."""
+    return (action.phase, action.chunk,
+            not self.recomputes[action.chunk, action.micro_batch])
+
+
+class _Segment:
+  """A stretch of ticks that one while loop runs.
+
+  Attributes:
+    choices: Per device, the branches (`_Layout.Key`) it runs in the
+      segment, in order of first appearance; a device's action at a tick is
+      an index into its choices, or len(choices) when it idles.
+    idles: Per device, whether it idles at some tick of the segment.
+    phases: The phases of the segment's actions.
+    rows: Per tick, `_Layout.DEVICE_FIELDS` for each device, then per chunk
+      the slot its forward writes (in the next chunk's input or the output
+      buffer) and the slot its backward writes (in the previous chunk's grad
+      or the d_input buffer); the spare slot where the chunk did not run.
+  """
+
+  def __init__(self, ticks: Sequence[schedule.Tick], layout: _Layout):
+    num_devices = len(ticks[0])
+    num_chunks = layout.table.num_chunks
+    self.choices = [[] for _ in range(num_devices)]
+    self.idles = [False] * num_devices
+    self.phases = set()
+    for tick in ticks:
+      for k, action in enumerate(tick):
+        if action is None:
+          self.idles[k] = True
+          continue
+        self.phases.add(action.phase)
+        if layout.Key(action) not in self.choices[k]:
+          self.choices[k].append(layout.Key(action))
+    self.rows = []
+    for tick in ticks:
+      row = []
+      forward_writes = [layout.Size(*_ForwardTarget(c, num_chunks))
+                        for c in range(num_chunks)]
+      backward_writes = [layout.Size(*_BackwardTarget(c))
+                         for c in range(num_chunks)]
+      for k, action in enumerate(tick):
+        if action is None:
+          row += [len(self.choices[k])] + [0] * 5
+          continue
+        phase, c, m = action
+        row += [self.choices[k].index(layout.Key(action)), m,
+                layout.Slot('input', c, m), layout.Slot('state', c, m),
+                layout.Slot('stash', c, m), layout.Slot('grad', c, m)]
+        if phase == F:
+          forward_writes[c] = layout.Slot(*_ForwardTarget(c, num_chunks), m)
+        else:
+          backward_writes[c] = layout.Slot(*_BackwardTarget(c), m)
+      self.rows.append(row + forward_writes + backward_writes)
+
+
+def _ForwardTarget(c: int, num_chunks: int) -> Tuple[str, int]:
+  """The buffer chunk c's forward outputs go to."""
+  return ('input', c + 1) if c + 1 < num_chunks else ('output', c)
+
+
+def _BackwardTarget(c: int) -> Tuple[str, int]:
+  """The buffer chunk c's input gradients go to."""
+  return ('grad', c - 1) if c else ('d_input', 0)
+
+
+def _Segments(ticks: Sequence[schedule.Tick],
+              layout: _Layout) -> List[_Segment]:
+  """Cuts ticks into stretches in which every device works, or not.
+
+  A GPipe table's phase has K - 1 filling ticks, the ticks in which every
+  device works, and K - 1 draining ticks: three segments, whatever M is. In
+  the middle one a device with one chunk (v = 1) calls it directly, with no
+  branch.
+
+  Args:
+    ticks: The ticks, in order.
+    layout: The buffers' slots.
+
+  Returns:
+    The segments, in order.
+  """
+  runs = []
+  for tick in ticks:
+    busy = None not in tick
+    if runs and runs[-1][0] == busy:
+      runs[-1][1].append(tick)
+    else:
+      runs.append((busy, [tick]))
+  return [_Segment(run, layout) for _, run in runs]
+
+
+def _KeepUnlowered(outputs: Any, op_types: Tuple[str, ...]) -> None:
+  """Marks the While, If or Case op that made `outputs` to run as calls.
+
+  Args:
+    outputs: What tf.while_loop, tf.cond or tf.switch_case returned.
+    op_types: The op types to look for, e.g. ('If', 'StatelessIf').
+  """
+  if LOWER_CONTROL_FLOW or tf.executing_eagerly():
+    return
+  for t in tf.nest.flatten(outputs):
+    op = _Flow(t).op
+    while op.type == 'Identity' and op.inputs:
+      op = op.inputs[0].op
+    if op.type in op_types:
+      try:
+        op._set_attr(  # pylint: disable=protected-access
+            _LOWERING_ATTR, tf.compat.v1.AttrValue(b=False))
+      except AttributeError:  # A TF without Operation._set_attr: lowered.
+        logging.warning('Cannot keep %s unlowered; it runs lowered.', op.name)
+      return
+
+
+def _Dispatch(choices: Sequence[Any], idles: bool, branch: tf.Tensor,
+              run: Callable[[Any], Any], idle: Callable[[], Any],
+              name: str) -> Any:
+  """Runs one device's action of a tick, picked by `branch`.
+
+  Args:
+    choices: The device's branches in the segment.
+    idles: Whether the device idles at some tick of the segment.
+    branch: int32 scalar, the index into choices (len(choices): idle).
+    run: run(choice) builds a branch; returns the device's values.
+    idle: Returns the device's values unchanged.
+    name: The branch op's name.
+
+  Returns:
+    What `run` or `idle` returns.
+  """
+  fns = [lambda c=c: run(c) for c in choices]
+  if idles:
+    fns.append(idle)
+  if len(fns) == 1:
+    return fns[0]()
+  if len(fns) == 2:
+    results = tf.cond(branch < 1, fns[0], fns[1], name=name)
+  else:
+    results = tf.switch_case(branch, fns, name=name)
+  _KeepUnlowered(results, _BRANCH_OPS)
+  return results
+
+
+def _Unknown(n: int) -> List[tf.TensorShape]:
+  return [tf.TensorShape(None)] * n
+
+
+class _Values(NamedTuple):
+  """What a device's actions change, per chunk of the device (lists)."""
+  state: List[List[tf.Tensor]]  # Forward state.
+  saved_state: List[List[tf.TensorArray]]  # State before each call.
+  stash: List[List[tf.TensorArray]]  # Intermediates of kept calls.
+  sent_forward: List[List[tf.Tensor]]  # The latest forward outputs.
+  d_state: List[List[tf.Tensor]]  # State gradients (differentiable ones).
+  d_theta: List[List[tf.Tensor]]  # Weight gradient sums.
+  sent_backward: List[List[tf.Tensor]]  # The latest input gradients.
+
+
+# What forward and backward actions change (the rest they only read).
+_CHANGED = {
+    F: ('state', 'saved_state', 'stash', 'sent_forward', 'input', 'output'),
+    B: ('d_state', 'd_theta', 'sent_backward', 'grad', 'd_input'),
+}
+
+
+class _Step:
+  """The loops of one step over a table (see the module docstring).
+
+  Attributes:
+    chunks: The C `_Chunk`s.
+    layout: Slots and branches.
+    num_devices: K.
+    stacked_inputs: The first chunk's input tensors, micro-batches stacked.
+    first_id: int64 id of micro-batch 0.
+    loss_inside: Whether the last chunk's backward starts from the loss.
+    d_outputs: The gradients of the last chunk's outputs: [M, ...] tensors
+      (loss outside), or scalars (loss inside); None where not
+      differentiable. Set before a backward tick is built.
+    diff_inputs, diff_outputs, diff_state, diff_theta: Per chunk, which of
+      its inputs, outputs, state and weights are differentiable.
+  """
+
+  def __init__(self, chunks: Sequence[_Chunk], layout: _Layout,
+               stacked_inputs: List[tf.Tensor], first_id: tf.Tensor,
+               loss_inside: bool):
+    self.chunks = list(chunks)
+    self.layout = layout
+    self.num_devices = layout.table.num_devices
+    self.stacked_inputs = stacked_inputs
+    self.first_id = first_id
+    self.loss_inside = loss_inside
+    num_chunks = len(chunks)
+    self.diff_inputs = [c.inputs.Differentiable() for c in chunks]
+    self.diff_outputs = [c.outputs.Differentiable() for c in chunks]
+    self.diff_state = [[stage_lib.IsDifferentiable(t) for t in c.state]
+                        for c in chunks]
+    self.diff_theta = [[stage_lib.IsDifferentiable(t) for t in c.theta]
+                        for c in chunks]
+    self._num_micro = layout.table.num_micro_batches
+    self._last = num_chunks - 1
+    self.d_outputs = None
+
+  def Initial(self, states: List[List[tf.Tensor]],
+              d_states: Optional[List[List[Optional[tf.Tensor]]]] = None
+             ) -> Dict[str, Any]:
+    """The loop variables before the first tick."""
+    layout, chunks = self.layout, self.chunks
+    v = {name: [] for name in ('input', 'grad') + _Values._fields}
+    for c, chunk in enumerate(chunks):
+      with tf.device(chunk.device):
+        v['state'].append(list(states[c]))
+        v['input'].append([_Buffer(s, layout.Size('input', c))
+                           for s in chunk.inputs.specs] if c else [])
+        v['saved_state'].append([_Buffer(_Spec(t), layout.Size('state', c))
+                                 for t in chunk.state]
+                                if layout.Size('state', c) else [])
+        v['stash'].append([_Buffer(s, layout.Size('stash', c))
+                           for s in chunk.split.stash_specs]
+                          if layout.Size('stash', c) else [])
+        v['sent_forward'].append([_Placeholder(s) for s in chunk.outputs.specs])
+        v['grad'].append([
+            _Buffer(s, layout.Size('grad', c))
+            for s, d in zip(chunk.outputs.specs, self.diff_outputs[c]) if d
+        ] if layout.Size('grad', c) else [])
+        given = [None] * len(chunk.state) if d_states is None else d_states[c]
+        v['d_state'].append([
+            tf.zeros_like(t) if g is None else g
+            for t, g, d in zip(chunk.state, given, self.diff_state[c]) if d
+        ])
+        v['d_theta'].append([tf.zeros_like(t) for t, d in
+                             zip(chunk.theta, self.diff_theta[c]) if d])
+        v['sent_backward'].append([
+            _Placeholder(s)
+            for s, d in zip(chunk.inputs.specs, self.diff_inputs[c]) if d
+        ])
+    last, first = chunks[-1], chunks[0]
+    with tf.device(last.device):
+      v['output'] = [_Buffer(s, self._num_micro) for s in last.outputs.specs]
+    with tf.device(first.device):
+      v['d_input'] = [_Buffer(s, self._num_micro)
+                      for s, d in zip(first.inputs.specs, self.diff_inputs[0]) if d]
+    return v
+
+  def _Invariants(self, v: Dict[str, Any]) -> Dict[str, Any]:
+    """Shape invariants: buffers unknown, tensors their static shapes.
+
+    The latest results sent between chunks start as placeholders whose
+    unknown dimensions are 0: their invariants are their specs' shapes.
+
+    Args:
+      v: Loop variables.
+
+    Returns:
+      Their shape invariants.
+    """
+    invariants = tf.nest.map_structure(
+        lambda t: tf.TensorShape(None) if isinstance(t, tf.TensorArray) else
+        t.shape, v)
+    if 'sent_forward' in v:
+      invariants['sent_forward'] = [[s.shape for s in c.outputs.specs]
+                                    for c in self.chunks]
+    if 'sent_backward' in v:
+      invariants['sent_backward'] = [
+          [s.shape for s, d in zip(c.inputs.specs, diff) if d]
+          for c, diff in zip(self.chunks, self.diff_inputs)]
+    return invariants
+
+  def _Input(self, c: int, m: tf.Tensor, slot: tf.Tensor,
+             v: Dict[str, Any]) -> List[tf.Tensor]:
+    """Chunk c's input of micro-batch m."""
+    if c == 0:
+      return [tf.gather(x, m) for x in self.stacked_inputs]
+    return [a.read(slot) for a in v['input'][c]]
+
+  def _Forward(self, c: int, keeps: bool, f: Dict[str, tf.Tensor],
+               v: Dict[str, Any], values: _Values, i: int) -> None:
+    """Chunk c's forward on micro-batch f['micro_batch']; updates values."""
+    chunk = self.chunks[c]
+    m = f['micro_batch']
+    x = self._Input(c, m, f['input'], v)
+    state = v['state'][c]
+    args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
+    if keeps:
+      results, stash = chunk.split.Forward(args)
+      values.stash[i] = [a.write(f['stash'], t)
+                         for a, t in zip(v['stash'][c], stash)]
+    else:
+      results = chunk.stage.forward(chunk.theta, x, state, args[-1])
+    num_y = len(results) - len(state)
+    values.sent_forward[i] = list(results[:num_y])
+    values.state[i] = list(results[num_y:])
+    values.saved_state[i] = [a.write(f['state'], t)
+                             for a, t in zip(v['saved_state'][c], state)]
+
+  def _Backward(self, c: int, keeps: bool, f: Dict[str, tf.Tensor],
+                v: Dict[str, Any], values: _Values, i: int) -> None:
+    """Chunk c's backward on micro-batch f['micro_batch']; updates values."""
+    chunk = self.chunks[c]
+    m = f['micro_batch']
+    x = self._Input(c, m, f['input'], v)
+    state = [a.read(f['state']) for a in v['saved_state'][c]]
+    if c == self._last:
+      d_y = [None if d is None else
+             (d if self.loss_inside else tf.gather(d, m))
+             for d in self.d_outputs]
+    else:
+      given = iter([a.read(f['grad']) for a in v['grad'][c]])
+      d_y = [next(given) if d else None for d in self.diff_outputs[c]]
+    given = iter(v['d_state'][c])
+    d_state = [next(given) if d else None for d in self.diff_state[c]]
+    args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
+    if keeps:
+      stash = [a.read(f['stash']) for a in v['stash'][c]]
+      d_state = [tf.zeros_like(t) if g is None and d else g
+                 for t, g, d in zip(state, d_state, self.diff_state[c])]
+      grads = chunk.split.Backward(d_y + d_state, args, stash)
+    else:
+      grads = chunk.stage.backward(chunk.theta, x, state, args[-1],
+                                   d_y + d_state)
+    n_theta, n_x = len(chunk.theta), len(x)
+    d_theta = [_Dense(g) for g in grads[:n_theta]]
+    d_x = [_Dense(g) for g in grads[n_theta:n_theta + n_x]]
+    d_state = [_Dense(g) for g in grads[n_theta + n_x:len(args) - 1]]
+    values.sent_backward[i] = [g for g in d_x if g is not None]
+    if not self.loss_inside:  # The state gradient flows m + 1 -> m.
+      values.d_state[i] = [g for g in d_state if g is not None]
+    values.d_theta[i] = [total + g for total, g in zip(
+        v['d_theta'][c], [g for g in d_theta if g is not None])]
+
+  def Run(self, ticks: Sequence[schedule.Tick], v: Dict[str, Any],
+          name: str) -> Dict[str, Any]:
+    """Runs the ticks as while loops (one per segment); returns the vars.
+
+    Only what a loop's ticks change is carried through it; the rest (e.g.
+    the forward's buffers in backward loops) is read from outside.
+
+    Args:
+      ticks: The ticks to run.
+      v: All variables (`Initial`).
+      name: The loops' name prefix.
+
+    Returns:
+      The variables after the last tick.
+    """
+    for i, segment in enumerate(_Segments(ticks, self.layout)):
+      rows = tf.constant(segment.rows, tf.int32, name=f'{name}_ticks_{i}')
+      # What the segment leaves unchanged is not carried: XLA's compiler
+      # fails on while loops that pass loop-invariant values through.
+      carried = {key for phase in segment.phases for key in _CHANGED[phase]}
+      if self.loss_inside:  # No state gradient flows back (`_Backward`).
+        carried.discard('d_state')
+      fixed = {key: value for key, value in v.items() if key not in carried}
+      loop_vars = {key: value for key, value in v.items() if key in carried}
+
+      def Body(t, loop_vars, rows=rows, segment=segment, fixed=fixed):
+        new = self._Tick(segment, rows[t], dict(fixed, **loop_vars))
+        return t + 1, {key: new[key] for key in loop_vars}
+
+      # The loop starts when the previous one has ended, whatever variable
+      # it reads first: its counter waits for all of them. Unlowered, a
+      # While's outputs appear together anyway; lowered
+      # (LOWER_CONTROL_FLOW), each loop variable leaves its loop on its own,
+      # and a device could start its next call while its last one still runs.
+      with tf.control_dependencies(
+          [_Flow(x) for x in tf.nest.flatten(loop_vars)] if i else []):
+        start = tf.identity(tf.constant(0))
+      num_ticks = len(segment.rows)
+      results = tf.while_loop(
+          lambda t, _, n=num_ticks: t < n, Body, (start, loop_vars),
+          shape_invariants=(tf.TensorShape([]), self._Invariants(loop_vars)),
+          # A tick starts when the previous one has ended, as the unlowered
+          # While runs it; lowered loops would otherwise overlap ticks.
+          parallel_iterations=1,
+          maximum_iterations=num_ticks,
+          name=f'{name}_{i}')
+      _KeepUnlowered(results[0], ('While', 'StatelessWhile'))
+      v = dict(fixed, **results[1])
+    return v
+
+  def _Tick(self, segment: _Segment, row: tf.Tensor,
+            v: Dict[str, Any]) -> Dict[str, Any]:
+    """One tick: every device's action, then the writes to the buffers."""
+    num_devices, num_chunks = self.num_devices, len(self.chunks)
+    fields = _Layout.DEVICE_FIELDS
+    v = {key: list(value) for key, value in v.items()}
+    for k in range(num_devices):
+      own = list(range(k, num_chunks, num_devices))
+      base = k * len(fields)
+      f = {field: row[base + j] for j, field in enumerate(fields)}
+
+      def Current(own=own):
+        return _Values(*[[v[field][c] for c in own]
+                         for field in _Values._fields])
+
+      def Run(choice, own=own, f=f, current=Current):
+        phase, c, keeps = choice
+        values = current()
+        with tf.name_scope(f'chunk{c}'):  # engine/trace.py reads it.
+          (self._Forward if phase == F else self._Backward)(
+              c, keeps, f, v, values, own.index(c))
+        return values
+
+      with tf.device(self.chunks[k].device), tf.name_scope(f'device{k}'):
+        values = _Dispatch(segment.choices[k], segment.idles[k],
+                           f['branch'], Run, Current,
+                           f'device{k}_{"_".join(sorted(segment.phases))}')
+      for field, per_chunk in zip(_Values._fields, values):
+        for c, value in zip(own, per_chunk):
+          v[field][c] = value
+    # Each chunk's results go to the buffers of the chunk that reads them.
+    writes = num_devices * len(fields)
+    for c in range(num_chunks):
+      if F in segment.phases:
+        kind, target = _ForwardTarget(c, num_chunks)
+        buffers = v[kind] if kind == 'output' else v[kind][target]
+        with tf.device(self.chunks[target].device):
+          written = [a.write(row[writes + c], t)
+                     for a, t in zip(buffers, v['sent_forward'][c])]
+        if kind == 'output':
+          v['output'] = written
+        else:
+          v['input'][target] = written
+      if B in segment.phases:
+        kind, target = _BackwardTarget(c)
+        buffers = v[kind] if kind == 'd_input' else v[kind][target]
+        with tf.device(self.chunks[target].device):
+          written = [a.write(row[writes + num_chunks + c], g)
+                     for a, g in zip(buffers, v['sent_backward'][c])]
+        if kind == 'd_input':
+          v['d_input'] = written
+        else:
+          v['grad'][target] = written
+    return v
+
+  def Results(self, v: Dict[str, Any]):
+    """(outputs stacked [M, ...], final states, d_theta, d_inputs, d_states).
+
+    Gradients are on their chunk's devices, None where not differentiable.
+    """
+    chunks, num_micro = self.chunks, self._num_micro
+    with tf.device(chunks[-1].device):
+      outputs = [a.gather(tf.range(num_micro)) for a in v['output']]
+    with tf.device(chunks[0].device):
+      d_inputs = _Scatter([a.gather(tf.range(num_micro))
+                           for a in v['d_input']], self.diff_inputs[0])
+    placed = {}
+    for field in ('state', 'd_theta', 'd_state'):
+      placed[field] = []
+      for chunk, tensors in zip(chunks, v[field]):
+        with tf.device(chunk.device):
+          placed[field].append([tf.identity(t) for t in tensors])
+    return (outputs, placed['state'],
+            [_Scatter(g, d) for g, d in zip(placed['d_theta'],
+                                            self.diff_theta)],
+            d_inputs,
+            [_Scatter(g, d) for g, d in zip(placed['d_state'],
+                                            self.diff_state)])
+
+
+def _PhaseTicks(table: schedule.Table) -> List[Tuple[str, Sequence[
+    schedule.Tick]]]:
+  """The table's ticks as the loops run them.
+
+  Returns:
+    [('forward', ticks), ('backward', ticks)] for a table with the loss
+    outside, [('mixed', ticks)] for one with the loss inside.
+
+  Raises:
+    ValueError: if a table with the loss outside does not run all its
+      forward ticks before its backward ticks, or a chunk's backward does not
+      take the micro-batches in the reverse order of its forward (the
+      chunk's state gradient flows back along that order).
+  """
+  if not table.loss_outside:
+    return [('mixed', tuple(tick for tick in table.ticks if any(tick)))]
+  runs = table.PhaseRuns()
+  if [phase for phase, _ in runs] != [F, B]:
+    raise ValueError(
+        f"engine='loop' runs tables with the loss outside whose forward "
+        f'ticks all come before their backward ticks; '
+        f'schedule={table.schedule!r} interleaves them.')
+  for c in range(table.num_chunks):
+    order = [[a.micro_batch for tick in ticks for a in tick
+              if a is not None and a.chunk == c] for _, ticks in runs]
+    if order[1] != order[0][::-1]:
+      raise ValueError(
+          f"engine='loop': schedule={table.schedule!r} runs chunk {c}'s "
+          f'backward on micro-batches {order[1]}, not in the reverse order '
+          f'of its forward {order[0]}.')
+  return runs
 
 
 def _Join(parts: Sequence[Sequence[Any]]) -> List[Any]:
@@ -199,565 +784,240 @@ def _Unjoin(values: Sequence[Any],
   return groups
 
 
-def _OnChunkDevices(plan: _Plan,
-                    per_chunk: List[List[tf.Tensor]]) -> List[List[tf.Tensor]]:
-  """Identities of each chunk's loop results on the chunk's device.
+@tf.custom_gradient
+def _NoGradient(t):
+  """Identity whose gradient is an error: for outputs 1F1B cannot differentiate."""
 
-  A while loop's outputs have no device of their own; gradients and states
-  that leave the loops are placed where their chunk runs (distribution
-  strategies reduce gradients from the devices they are on).
-
-  Args:
-    plan: The chunks.
-    per_chunk: Per chunk, tensors that came out of a loop.
-
-  Returns:
-    The same structure, each tensor an identity on its chunk's device.
-  """
-  placed = []
-  for c, tensors in enumerate(per_chunk):
-    with tf.device(plan.Device(c)):
-      placed.append([tf.identity(t) for t in tensors])
-  return placed
-
-
-def _KeepUnlowered(outputs: Any, op_types: Tuple[str, ...]) -> None:
-  """Marks the While, If or Case op that made `outputs` to run as calls.
-
-  Args:
-    outputs: What tf.while_loop, tf.cond or tf.switch_case returned.
-    op_types: The op types to look for, e.g. ('If', 'StatelessIf').
-  """
-  if LOWER_CONTROL_FLOW or tf.executing_eagerly():
-    return
-  for t in tf.nest.flatten(outputs):
-    op = _Flow(t).op
-    while op.type == 'Identity' and op.inputs:
-      op = op.inputs[0].op
-    if op.type in op_types:
-      try:
-        op._set_attr(  # pylint: disable=protected-access
-            _LOWERING_ATTR, tf.compat.v1.AttrValue(b=False))
-      except AttributeError:  # A TF without Operation._set_attr: lowered.
-        logging.warning('Cannot keep %s unlowered; it runs lowered.', op.name)
-      return
-
-
-class _Segment:
-  """A stretch of ticks of one phase that one while loop runs.
-
-  Attributes:
-    choices: Per device, the chunks it runs in the segment, in order of
-      first appearance; a device's action at a tick is a branch index into
-      its choices, or len(choices) when it idles.
-    idles: Per device, whether it idles at some tick of the segment.
-    rows: Per tick, K branch indices, then K micro-batches (0 when idle),
-      then per chunk the buffer entry it writes (its micro-batch, or M).
-  """
-
-  def __init__(self, ticks: Sequence[schedule.Tick], num_chunks: int,
-               num_micro: int):
-    num_devices = len(ticks[0])
-    self.choices = [[] for _ in range(num_devices)]
-    self.idles = [False] * num_devices
-    for tick in ticks:
-      for k, action in enumerate(tick):
-        if action is None:
-          self.idles[k] = True
-        elif action.chunk not in self.choices[k]:
-          self.choices[k].append(action.chunk)
-    self.rows = []
-    for tick in ticks:
-      branches, micro_batches = [], []
-      writes = [num_micro] * num_chunks
-      for k, action in enumerate(tick):
-        if action is None:
-          branches.append(len(self.choices[k]))
-          micro_batches.append(0)
-        else:
-          branches.append(self.choices[k].index(action.chunk))
-          micro_batches.append(action.micro_batch)
-          writes[action.chunk] = action.micro_batch
-      self.rows.append(branches + micro_batches + writes)
-
-
-def _Segments(ticks: Sequence[schedule.Tick], num_chunks: int,
-              num_micro: int) -> List[_Segment]:
-  """Cuts one phase's ticks into stretches in which every device works or not.
-
-  A GPipe table has K - 1 filling ticks, the ticks in which every device
-  works, and K - 1 draining ticks: three segments, whatever M is. In the
-  middle one a device with one chunk (v = 1) calls it directly, with no
-  branch.
-
-  Args:
-    ticks: The ticks of one phase, in order.
-    num_chunks: C.
-    num_micro: M.
-
-  Returns:
-    The segments, in order.
-  """
-  runs = []
-  for tick in ticks:
-    busy = None not in tick
-    if runs and runs[-1][0] == busy:
-      runs[-1][1].append(tick)
-    else:
-      runs.append((busy, [tick]))
-  return [_Segment(run, num_chunks, num_micro) for _, run in runs]
-
-
-def _Dispatch(segment: _Segment, k: int, branch: tf.Tensor,
-              run: Callable[[int], Any], idle: Callable[[], Any],
-              name: str) -> Any:
-  """Runs device k's action of the tick: chunk `choices[branch]`, or idle.
-
-  Args:
-    segment: The segment being built.
-    k: The device.
-    branch: int32 scalar, the device's branch index at this tick.
-    run: run(chunk) builds the chunk's call; returns the device's values.
-    idle: Returns the device's values unchanged.
-    name: The branch op's name.
-
-  Returns:
-    What `run` or `idle` returns.
-  """
-  choices = segment.choices[k]
-  fns = [lambda c=c: run(c) for c in choices]
-  if segment.idles[k]:
-    fns.append(idle)
-  if len(fns) == 1:
-    return fns[0]()
-  if len(fns) == 2 and segment.idles[k]:
-    results = tf.cond(branch < len(choices), fns[0], fns[1], name=name)
-  else:
-    results = tf.switch_case(branch, fns, name=name)
-  _KeepUnlowered(results, _BRANCH_OPS)
-  return results
-
-
-def _Loop(segments: Sequence[_Segment], body, loop_vars, shape_invariants,
-          name: str):
-  """Runs `body(segment, row, loop_vars)` for every tick of the segments.
-
-  One while loop per segment, each starting when the previous has ended.
-
-  Args:
-    segments: The phase's segments.
-    body: Builds one tick from the segment, its row (an int32 vector, see
-      `_Segment.rows`) and the loop variables; returns new loop variables.
-    loop_vars: The loop variables (nests of tensors and TensorArrays).
-    shape_invariants: Their shapes, as tf.while_loop takes them.
-    name: The loops' name prefix.
-
-  Returns:
-    The loop variables after the last tick.
-  """
-  for i, segment in enumerate(segments):
-    rows = tf.constant(segment.rows, tf.int32, name=f'{name}_ticks_{i}')
-
-    def Body(t, *state, rows=rows, segment=segment):
-      return [t + 1] + list(body(segment, rows[t], list(state)))
-
-    # The loop starts when the previous one has ended, whatever variable it
-    # reads first: its counter waits for all of them. Unlowered, a While's
-    # outputs appear together anyway; lowered (LOWER_CONTROL_FLOW), each
-    # loop variable leaves its loop on its own, and a device could start its
-    # next call while its last one still runs.
-    with tf.control_dependencies(
-        [_Flow(v) for v in tf.nest.flatten(loop_vars)] if i else []):
-      start = tf.identity(tf.constant(0))
-    num_ticks = len(segment.rows)
-    results = tf.while_loop(
-        lambda t, *_, n=num_ticks: t < n,
-        Body, [start] + list(loop_vars),
-        shape_invariants=[tf.TensorShape([])] + list(shape_invariants),
-        # A tick starts when the previous one has ended, as the unlowered
-        # While runs it; lowered loops would otherwise overlap ticks.
-        parallel_iterations=1,
-        maximum_iterations=num_ticks,
-        name=f'{name}_{i}')
-    _KeepUnlowered(results[0], ('While', 'StatelessWhile'))
-    loop_vars = list(results[1:])
-  return loop_vars
-
-
-def _Unknown(n: int) -> List[tf.TensorShape]:
-  return [tf.TensorShape(None)] * n
-
-
-class _Step:
-  """The loops of one step over a table: forward, and its gradient.
-
-  Attributes:
-    plan: The chunks.
-    theta: Per chunk, its flat weights.
-    stacked_inputs: The first chunk's input tensors, micro-batches stacked.
-    first_id: int64 id of micro-batch 0.
-    num_micro: M.
-    num_devices: K.
-  """
-
-  def __init__(self, plan: _Plan, theta: List[List[tf.Tensor]],
-               stacked_inputs: List[tf.Tensor], first_id: tf.Tensor,
-               num_micro: int, num_devices: int):
-    self.plan = plan
-    self.theta = theta
-    self.stacked_inputs = stacked_inputs
-    self.first_id = first_id
-    self.num_micro = num_micro
-    self.num_devices = num_devices
-
-  def _Chunks(self, k: int) -> List[int]:
-    return list(range(k, self.plan.num_chunks, self.num_devices))
-
-  def _Id(self, m: tf.Tensor) -> tf.Tensor:
-    return self.first_id + tf.cast(m, tf.int64)
-
-  def _ChunkInput(self, c: int, m: tf.Tensor,
-                  buffers: List[List[tf.TensorArray]]) -> List[tf.Tensor]:
-    """Chunk c's input of micro-batch m: the stacked input or its buffer."""
-    if c == 0:
-      return [tf.gather(x, m) for x in self.stacked_inputs]
-    return [a.read(m) for a in buffers[c]]
-
-  def Forward(self, ticks: Sequence[schedule.Tick],
-              initial_states: List[List[tf.Tensor]], save: bool):
-    """The forward loops.
-
-    Args:
-      ticks: The table's forward ticks.
-      initial_states: Per chunk, its flat state before micro-batch 0.
-      save: Whether to save every chunk's state per micro-batch for the
-        backward loops (the inputs are in the buffers anyway).
-
-    Returns:
-      (outputs, states, buffers, saved_states): the last chunk's outputs
-      stacked [M, ...], each chunk's final flat state, per chunk its input
-      buffers (empty for chunk 0), and per chunk the TensorArrays of its
-      states (empty lists unless `save`).
-    """
-    plan, num_micro = self.plan, self.num_micro
-    num_chunks = plan.num_chunks
-    sent, buffers, saved_states = [], [], []
-    for c in range(num_chunks):
-      with tf.device(plan.Device(c)):
-        sent.append([_Placeholder(spec) for spec in plan.Output(c).specs])
-        buffers.append([_Buffer(spec, num_micro)
-                        for spec in plan.inputs[c].specs] if c else [])
-        saved_states.append([_Buffer(_Spec(t), num_micro)
-                             for t in initial_states[c]] if save else [])
-    with tf.device(plan.Device(num_chunks - 1)):
-      outputs = [_Buffer(spec, num_micro) for spec in plan.outputs.specs]
-    invariants = ([[spec.shape for spec in plan.Output(c).specs]
-                   for c in range(num_chunks)],
-                  [[t.shape for t in s] for s in initial_states],
-                  [_Unknown(len(a)) for a in buffers],
-                  [_Unknown(len(a)) for a in saved_states],
-                  _Unknown(len(outputs)))
-
-    def Body(segment, row, loop_vars):
-      sent, states, buffers, saved_states, outputs = loop_vars
-      sent, states, saved_states = list(sent), list(states), list(
-          saved_states)
-      for k in range(self.num_devices):
-        chunks = self._Chunks(k)
-        m = row[self.num_devices + k]
-
-        def Device(chunks):
-          return ([sent[c] for c in chunks], [states[c] for c in chunks],
-                  [saved_states[c] for c in chunks])
-
-        def Run(c, m=m, chunks=chunks):
-          x = self._ChunkInput(c, m, buffers)
-          with tf.name_scope(f'chunk{c}'):  # engine/trace.py reads it.
-            results = plan.chunks[c].forward(self.theta[c], x, states[c],
-                                             self._Id(m))
-          num_y = len(results) - len(states[c])
-          values = Device(chunks)
-          i = chunks.index(c)
-          values[0][i] = list(results[:num_y])
-          values[1][i] = list(results[num_y:])
-          values[2][i] = [a.write(m, v)
-                          for a, v in zip(saved_states[c], states[c])]
-          return values
-
-        with tf.device(plan.Device(k)), tf.name_scope(f'device{k}'):
-          values = _Dispatch(segment, k, row[k], Run,
-                             lambda chunks=chunks: Device(chunks),
-                             f'device{k}_forward')
-        for i, c in enumerate(chunks):
-          sent[c], states[c], saved_states[c] = (values[0][i], values[1][i],
-                                                 values[2][i])
-      # Each chunk's output goes to the next chunk's buffer, on its device.
-      buffers, written = list(buffers), 2 * self.num_devices
-      for c in range(num_chunks):
-        target = buffers[c + 1] if c + 1 < num_chunks else outputs
-        with tf.device(plan.Device(min(c + 1, num_chunks - 1))):
-          target = [a.write(row[written + c], v)
-                    for a, v in zip(target, sent[c])]
-        if c + 1 < num_chunks:
-          buffers[c + 1] = target
-        else:
-          outputs = target
-      return sent, states, buffers, saved_states, outputs
-
-    _, states, buffers, saved_states, outputs = _Loop(
-        _Segments(ticks, num_chunks, num_micro), Body,
-        [sent, list(initial_states), buffers, saved_states, outputs],
-        list(invariants), 'forward')
-    with tf.device(plan.Device(num_chunks - 1)):
-      stacked = [a.gather(tf.range(num_micro)) for a in outputs]
-    return stacked, _OnChunkDevices(plan, states), buffers, saved_states
-
-  def Backward(self, ticks: Sequence[schedule.Tick],
-               buffers: List[List[tf.TensorArray]],
-               saved_states: List[List[tf.TensorArray]],
-               d_outputs: List[Optional[tf.Tensor]],
-               d_states: List[List[Optional[tf.Tensor]]]):
-    """The gradient loops: recompute and differentiate every call.
-
-    Args:
-      ticks: The table's backward ticks.
-      buffers: Per chunk c > 0, the buffers of its inputs.
-      saved_states: Per chunk, TensorArrays of its state before each
-        micro-batch.
-      d_outputs: Gradients of the last chunk's stacked outputs (None where
-        there is none).
-      d_states: Per chunk, gradients of its final state tensors (or None).
-
-    Returns:
-      (d_theta, d_stacked_inputs, d_states): per chunk the gradients of its
-      flat weights, the gradients of the stacked inputs, and per chunk the
-      gradients of its initial state; None where not differentiable.
-    """
-    plan, num_micro = self.plan, self.num_micro
-    num_chunks = plan.num_chunks
-    diff_x = [plan.inputs[c].Differentiable() for c in range(num_chunks)]
-    diff_y = [plan.Output(c).Differentiable() for c in range(num_chunks)]
-    diff_state = [[stage_lib.IsDifferentiable(t) for t in plan.states[c]]
-                  for c in range(num_chunks)]
-    diff_theta = [[stage_lib.IsDifferentiable(t) for t in self.theta[c]]
-                  for c in range(num_chunks)]
-    with tf.device(plan.Device(num_chunks - 1)):
-      d_outputs = [
-          None if not d else
-          (tf.zeros([num_micro] + spec.shape.as_list(), spec.dtype)
-           if g is None else g)
-          for d, g, spec in zip(diff_y[-1], d_outputs, plan.outputs.specs)
-      ]
-    sent, d_state_vars, d_theta_vars, grads = [], [], [], []
-    for c in range(num_chunks):
-      with tf.device(plan.Device(c)):
-        # sent[c]: the gradients of chunk c's differentiable inputs from its
-        # latest call; grads[c]: buffers of the gradients of its outputs,
-        # written by chunk c + 1 (chunk 0's input gradients go to grads[-1]).
-        sent.append([_Placeholder(spec)
-                     for spec, d in zip(plan.inputs[c].specs, diff_x[c]) if d])
-        grads.append([
-            _Buffer(spec, num_micro)
-            for spec, d in zip(plan.Output(c).specs, diff_y[c]) if d
-        ] if c + 1 < num_chunks else [])
-        d_state_vars.append([
-            tf.zeros_like(t) if g is None else g
-            for t, g, d in zip(plan.states[c], d_states[c], diff_state[c]) if d
-        ])
-        d_theta_vars.append([
-            tf.zeros_like(t) for t, d in zip(self.theta[c], diff_theta[c]) if d
-        ])
-    with tf.device(plan.Device(0)):
-      d_x0 = [_Buffer(spec, num_micro)
-              for spec, d in zip(plan.inputs[0].specs, diff_x[0]) if d]
-    invariants = ([[spec.shape for spec, d in zip(plan.inputs[c].specs,
-                                                  diff_x[c]) if d]
-                   for c in range(num_chunks)],
-                  [[t.shape for t in v] for v in d_state_vars],
-                  [[t.shape for t in v] for v in d_theta_vars],
-                  [_Unknown(len(a)) for a in grads],
-                  _Unknown(len(d_x0)))
-
-    def Body(segment, row, loop_vars):
-      sent, d_state_vars, d_theta_vars, grads, d_x0 = loop_vars
-      sent, d_state_vars, d_theta_vars = (list(sent), list(d_state_vars),
-                                          list(d_theta_vars))
-      for k in range(self.num_devices):
-        chunks = self._Chunks(k)
-        m = row[self.num_devices + k]
-
-        def Device(chunks):
-          return ([sent[c] for c in chunks], [d_state_vars[c] for c in chunks],
-                  [d_theta_vars[c] for c in chunks])
-
-        def Run(c, m=m, chunks=chunks):
-          x = self._ChunkInput(c, m, buffers)
-          state = [a.read(m) for a in saved_states[c]]
-          if c == num_chunks - 1:
-            d_y = [None if d is None else tf.gather(d, m) for d in d_outputs]
-          else:
-            given = iter([a.read(m) for a in grads[c]])
-            d_y = [next(given) if d else None for d in diff_y[c]]
-          given = iter(d_state_vars[c])
-          d_state = [next(given) if d else None for d in diff_state[c]]
-          with tf.name_scope(f'chunk{c}'):
-            results = plan.chunks[c].backward(self.theta[c], x, state,
-                                              self._Id(m), d_y + d_state)
-          n_theta, n_x = len(self.theta[c]), len(x)
-          d_theta = [_Dense(g) for g in results[:n_theta]]
-          d_x = [_Dense(g) for g in results[n_theta:n_theta + n_x]]
-          d_state = [_Dense(g) for g in results[n_theta + n_x:]]
-          values = Device(chunks)
-          i = chunks.index(c)
-          values[0][i] = [g for g in d_x if g is not None]
-          values[1][i] = [g for g in d_state if g is not None]
-          values[2][i] = [total + g for total, g in zip(
-              d_theta_vars[c], [g for g in d_theta if g is not None])]
-          return values
-
-        with tf.device(plan.Device(k)), tf.name_scope(f'device{k}'):
-          values = _Dispatch(segment, k, row[k], Run,
-                             lambda chunks=chunks: Device(chunks),
-                             f'device{k}_backward')
-        for i, c in enumerate(chunks):
-          sent[c], d_state_vars[c], d_theta_vars[c] = (
-              values[0][i], values[1][i], values[2][i])
-      # Each chunk's input gradients go to the previous chunk's buffer.
-      grads, written = list(grads), 2 * self.num_devices
-      for c in range(num_chunks):
-        target = grads[c - 1] if c else d_x0
-        with tf.device(plan.Device(max(c - 1, 0))):
-          target = [a.write(row[written + c], g)
-                    for a, g in zip(target, sent[c])]
-        if c:
-          grads[c - 1] = target
-        else:
-          d_x0 = target
-      return sent, d_state_vars, d_theta_vars, grads, d_x0
-
-    _, d_state_vars, d_theta_vars, _, d_x0 = _Loop(
-        _Segments(ticks, num_chunks, num_micro), Body,
-        [sent, d_state_vars, d_theta_vars, grads, d_x0], list(invariants),
-        'backward')
-
-    def Scatter(values, mask):
-      values = iter(values)
-      return [next(values) if present else None for present in mask]
-
-    with tf.device(plan.Device(0)):
-      d_inputs = Scatter([a.gather(tf.range(num_micro)) for a in d_x0],
-                         diff_x[0])
-    d_theta_vars = _OnChunkDevices(plan, d_theta_vars)
-    d_state_vars = _OnChunkDevices(plan, d_state_vars)
-    return ([Scatter(v, d) for v, d in zip(d_theta_vars, diff_theta)],
-            d_inputs,
-            [Scatter(v, d) for v, d in zip(d_state_vars, diff_state)])
-
-
-def _PhaseTicks(table: schedule.Table) -> Tuple[Sequence[schedule.Tick],
-                                               Sequence[schedule.Tick]]:
-  """The table's forward ticks and backward ticks.
-
-  Raises:
-    ValueError: if the table does not run all its forward ticks before all
-      its backward ticks, or a chunk's backward does not take the
-      micro-batches in the reverse order of its forward (the chunk's state
-      gradient flows back along that order).
-  """
-  runs = table.PhaseRuns()
-  if [phase for phase, _ in runs] != [schedule.FORWARD, schedule.BACKWARD]:
+  def Grad(unused_d):
     raise ValueError(
-        f"engine='loop' runs tables whose forward ticks all come before "
-        f'their backward ticks; schedule={table.schedule!r} interleaves '
-        'them.')
-  for c in range(table.num_chunks):
-    order = [[a.micro_batch for tick in ticks for a in tick
-              if a is not None and a.chunk == c] for _, ticks in runs]
-    if order[1] != order[0][::-1]:
-      raise ValueError(
-          f"engine='loop': schedule={table.schedule!r} runs chunk {c}'s "
-          f'backward on micro-batches {order[1]}, not in the reverse order '
-          f'of its forward {order[0]}.')
-  return runs[0][1], runs[1][1]
+        "A gradient flows through an output of a pipeline with the loss "
+        "inside (schedule='1f1b') other than its first (the loss): a metric "
+        'or a final state. The schedule computes the gradient of the mean '
+        'loss only; compute other terms outside the pipeline, or use '
+        "schedule='gpipe'.")
+
+  return tf.identity(t), Grad
 
 
-def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
+def _Chunks(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
+            first: _Boundary, states: Sequence[Any], table: schedule.Table,
+            remat: str, training: bool) -> Tuple[List[_Chunk], _Layout]:
+  """The `_Chunk`s and the `_Layout` of a step."""
+  recomputes = schedule.RecomputedCalls(table,
+                                        remat if training else 'always')
+  chunks, boundary = [], first
+  for c, (s, theta, state) in enumerate(zip(stages, thetas, states)):
+    keeps = training and not all(recomputes[c, m]
+                                 for m in range(table.num_micro_batches))
+    chunk = _Chunk(s, theta, boundary, state, training, keeps)
+    chunks.append(chunk)
+    boundary = chunk.outputs
+  return chunks, _Layout(table, recomputes, training)
+
+
+def _CheckLossOutputs(chunk: _Chunk) -> None:
+  """Raises unless the last chunk returns scalars, the first a float loss."""
+  specs = chunk.outputs.specs
+  if (not specs or not all(chunk.outputs.mask) or
+      any(s.shape.rank != 0 for s in specs) or not specs[0].dtype.is_floating):
+    raise ValueError(
+        'A schedule with the loss inside the pipeline (e.g. '
+        "schedule='1f1b') needs a last cell that returns scalars, the first "
+        'a float loss (the mean over its micro-batch); it returns '
+        f'{chunk.outputs.Structure()}.')
+
+
+def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
         inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
         table: schedule.Table, batch_dim: int, remat: str,
-        first_id: tf.Tensor,
-        training: bool) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
+        first_id: tf.Tensor, training: bool,
+        loss_inside: bool = False
+       ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
   """Builds one pipelined pass as while loops (see the module docstring).
 
   Args:
-    chunks: C = K v chunks; chunk c runs on its device (that of c mod K).
+    stages: C = K v chunks; chunk c runs on its device (that of c mod K).
     thetas: C nests of weights.
     inputs: The mini-batch inputs, tensors or None.
     states: C nests of initial chunk states.
-    table: The schedule.
+    table: The schedule (a GPipe table when not training).
     batch_dim: The dimension inputs are split and outputs merged along.
-    remat: 'always' (see `schedule.CheckEngine`).
+    remat: One of `schedule.REMAT_MODES`.
     first_id: int64 id of micro-batch 0; micro-batch m gets first_id + m.
-    training: If False, the forward loops save nothing and have no gradient.
+    training: If False, the forward ticks run alone, saving nothing.
+    loss_inside: Whether the last chunk returns the loss (scalars): the
+      outputs are then the means over micro-batches, and in training the
+      table's backward runs in the same loop (its `loss_outside` is False).
 
   Returns:
-    (outputs, states): the last chunk's outputs merged along batch_dim and
-    each chunk's state after the last micro-batch.
+    (outputs, states): the last chunk's outputs merged along batch_dim (with
+    the loss inside: the mean over micro-batches of each scalar output) and
+    each chunk's state after its last micro-batch.
 
   Raises:
-    ValueError: if remat or the table is not supported by this engine.
+    ValueError: if the table or the last cell's outputs do not suit.
   """
-  schedule.CheckEngine('loop', remat)
-  forward_ticks, backward_ticks = _PhaseTicks(table)
+  schedule.CheckRemat(remat)
+  runs = _PhaseTicks(table)
   num_micro = table.num_micro_batches
-  input_mask = [x is not None for x in inputs]
-  with tf.device(chunks[0].device):
+  specs = []
+  for x in inputs:
+    if x is not None:
+      shape = x.shape.as_list()
+      shape[batch_dim] = (None if shape[batch_dim] is None else
+                          shape[batch_dim] // num_micro)
+      specs.append(tf.TensorSpec(shape, x.dtype))
+  chunks, layout = _Chunks(
+      stages, thetas, _Boundary([x is not None for x in inputs], specs),
+      states, table, remat, training)
+  last = chunks[-1]
+  if loss_inside:
+    _CheckLossOutputs(last)
+  with tf.device(stages[0].device):
     stacked = [microbatch.Stack(x, num_micro, batch_dim)
                for x in inputs if x is not None]
-  plan = _Plan(chunks, thetas,
-               _Boundary(input_mask, [tf.TensorSpec(x.shape[1:], x.dtype)
-                                      for x in stacked]), states, training)
-  sizes = ([len(theta) for theta in plan.theta], [len(stacked)],
-           [len(state) for state in plan.states])
-  flat = _Join(plan.theta) + stacked + _Join(plan.states)
-  num_outputs = len(plan.outputs.specs)
+  sizes = ([len(c.theta) for c in chunks], [len(stacked)],
+           [len(c.state) for c in chunks])
+  num_outputs = len(last.outputs.specs)
 
-  if training:
+  def NewStep(flat):
+    """A `_Step` over the weights and stacked inputs in `flat`."""
+    theta, (x,), _ = _Unjoin(flat, sizes)
+    for chunk, chunk_theta in zip(chunks, theta):
+      chunk.theta = chunk_theta
+    return _Step(chunks, layout, x, first_id, loss_inside)
 
-    @tf.custom_gradient
-    def Pipelined(*flat):
-      # Only Grad differentiates the loops: tapes must not watch them (a
-      # recording tape, as Lingvo's eager trainer keeps one, would build the
-      # loops' own gradients, for minutes).
-      theta, (x,), init = _Unjoin([tf.stop_gradient(t) for t in flat], sizes)
-      step = _Step(plan, theta, x, first_id, num_micro, table.num_devices)
-      outputs, final_states, buffers, saved_states = step.Forward(
-          forward_ticks, init, save=True)
-
-      def Grad(*d_flat, variables=None):
-        d_flat = [None if d is None else tf.stop_gradient(d) for d in d_flat]
-        d_states = _Unjoin(d_flat[num_outputs:], sizes[2:])[0]
-        # tf.gradients colocates gradient ops with the op they differentiate;
-        # this one spans every chunk's device, and places its ops itself.
-        with tf.compat.v1.colocate_with(None, ignore_existing=True):
-          d_theta, d_x, d_init = step.Backward(backward_ticks, buffers,
-                                               saved_states,
-                                               d_flat[:num_outputs], d_states)
-        return (_Join(d_theta) + d_x + _Join(d_init),
-                [None] * len(variables or []))
-
-      return outputs + _Join(final_states), Grad
-
-    results = Pipelined(*flat)
-    outputs, final_flat = results[:num_outputs], results[num_outputs:]
-  else:
-    step = _Step(plan, plan.theta, stacked, first_id, num_micro,
-                 table.num_devices)
-    outputs, final_states, _, _ = step.Forward(forward_ticks, plan.states,
-                                               save=False)
+  flat = _Join([c.theta for c in chunks]) + stacked + _Join(
+      [c.state for c in chunks])
+  if not training:
+    step = NewStep(flat)
+    v = step.Run(runs[0][1], step.Initial([c.state for c in chunks]),
+                 'forward')
+    outputs, final_states, _, _, _ = step.Results(v)
+    if loss_inside:
+      with tf.device(last.device):
+        outputs = [tf.reduce_mean(y, 0) for y in outputs]
     final_flat = _Join(final_states)
-  with tf.device(chunks[-1].device):
-    merged = iter([microbatch.Unstack(y, batch_dim) for y in outputs])
-  outputs = [next(merged) if present else None for present in plan.outputs.mask]
+  elif loss_inside:
+    outputs, final_flat = _LossInside(NewStep, flat, sizes, runs, last,
+                                      num_outputs)
+  else:
+    outputs, final_flat = _LossOutside(NewStep, flat, sizes, runs, last,
+                                       num_outputs)
   final_states = _Unjoin(final_flat, sizes[2:])[0]
-  return outputs, [tf.nest.pack_sequence_as(state, part)
-                   for state, part in zip(states, final_states)]
+  final_states = [tf.nest.pack_sequence_as(state, part)
+                  for state, part in zip(states, final_states)]
+  if loss_inside:
+    return outputs, final_states
+  with tf.device(last.device):
+    merged = iter([microbatch.Unstack(y, batch_dim) for y in outputs])
+  return ([next(merged) if present else None
+           for present in last.outputs.mask], final_states)
+
+
+def _LossOutside(new_step, flat, sizes, runs, last, num_outputs):
+  """Forward loops, and backward loops as their gradient (GPipe).
+
+  Args:
+    new_step: Makes the `_Step` from flat weights + stacked inputs.
+    flat: Weights, stacked inputs and initial states, flat.
+    sizes: How `flat` is cut (`_Unjoin`).
+    runs: The forward ticks and the backward ticks (`_PhaseTicks`).
+    last: The last chunk.
+    num_outputs: The number of its output tensors.
+
+  Returns:
+    (outputs stacked [M, ...], final states flat).
+  """
+
+  @tf.custom_gradient
+  def Pipelined(*flat):
+    # Only Grad differentiates the loops: tapes must not watch them (a
+    # recording tape, as Lingvo's eager trainer keeps one, would build the
+    # loops' own gradients, for minutes).
+    flat = [tf.stop_gradient(t) for t in flat]
+    step = new_step(flat)
+    v = step.Run(runs[0][1], step.Initial(_Unjoin(flat, sizes)[2]),
+                 'forward')
+    outputs, final_states, _, _, _ = step.Results(v)
+
+    def Grad(*d_flat, variables=None):
+      d_flat = [None if d is None else tf.stop_gradient(d) for d in d_flat]
+      d_states = _Unjoin(d_flat[num_outputs:], sizes[2:])[0]
+      # tf.gradients colocates gradient ops with the op they differentiate;
+      # this one spans every chunk's device, and places its ops itself.
+      with tf.compat.v1.colocate_with(None, ignore_existing=True):
+        with tf.device(last.device):
+          step.d_outputs = [
+              None if not d else
+              (tf.zeros([y.shape[0]] + s.shape.as_list(), s.dtype)
+               if g is None else g)
+              for d, g, s, y in zip(step.diff_outputs[-1],
+                                    d_flat[:num_outputs], last.outputs.specs,
+                                    outputs)
+          ]
+        initial = step.Initial(final_states, d_states)
+        for key in ('input', 'saved_state', 'stash'):
+          initial[key] = v[key]
+        backward = step.Run(runs[1][1], initial, 'backward')
+        _, _, d_theta, d_x, d_init = step.Results(backward)
+      return (_Join(d_theta) + d_x + _Join(d_init),
+              [None] * len(variables or []))
+
+    return outputs + _Join(final_states), Grad
+
+  results = Pipelined(*flat)
+  return results[:num_outputs], results[num_outputs:]
+
+
+def _LossInside(new_step, flat, sizes, runs, last, num_outputs):
+  """One loop of forward and backward actions in the forward pass (1F1B).
+
+  The backward starts from d(mean loss) / d(loss of micro-batch m) = 1 / M;
+  the gradient of the pass scales the gradients the loop summed by the
+  upstream gradient of the mean loss. Gradients through the other outputs
+  (metrics) or the final states are errors (`_NoGradient`).
+
+  Args:
+    new_step: Makes the `_Step` from flat weights + stacked inputs.
+    flat: Weights, stacked inputs and initial states, flat.
+    sizes: How `flat` is cut (`_Unjoin`).
+    runs: [('mixed', ticks)] (`_PhaseTicks`).
+    last: The last chunk.
+    num_outputs: The number of its outputs (scalars).
+
+  Returns:
+    (means of the outputs over micro-batches, final states flat).
+  """
+
+  @tf.custom_gradient
+  def Pipelined(*flat):
+    flat = [tf.stop_gradient(t) for t in flat]
+    step = new_step(flat)
+    num_micro = step.layout.table.num_micro_batches
+    with tf.device(last.device):
+      step.d_outputs = [
+          None if not d else
+          tf.constant(1.0 / num_micro if i == 0 else 0.0, s.dtype)
+          for i, (d, s) in enumerate(zip(step.diff_outputs[-1],
+                                         last.outputs.specs))
+      ]
+    v = step.Run(runs[0][1], step.Initial(_Unjoin(flat, sizes)[2]), 'step')
+    outputs, final_states, d_theta, d_x, _ = step.Results(v)
+    with tf.device(last.device):
+      means = [tf.reduce_mean(y, 0) for y in outputs]
+
+    def Grad(*d_flat, variables=None):
+      scale = d_flat[0]  # The upstream gradient of the mean loss.
+      grads = [None if g is None else g * tf.cast(scale, g.dtype)
+               for g in _Join(d_theta) + d_x]
+      return (grads + [None] * len(_Join(final_states)),
+              [None] * len(variables or []))
+
+    return means + _Join(final_states), Grad
+
+  results = Pipelined(*flat)
+  outputs = [results[0]] + [_NoGradient(y) for y in results[1:num_outputs]]
+  final_flat = [_NoGradient(t) if stage_lib.IsDifferentiable(t) else t
+                for t in results[num_outputs:]]
+  return outputs, final_flat

@@ -38,12 +38,6 @@ _ENGINES = {'unrolled': unrolled.Run, 'loop': loop.Run}
 assert tuple(_ENGINES) == schedule_lib.ENGINES
 
 
-def RematModes(engine: str) -> Tuple[str, ...]:
-  """The remat modes `engine` supports."""
-  return (schedule_lib.LOOP_REMAT_MODES if engine == 'loop' else
-          schedule_lib.REMAT_MODES)
-
-
 class Pipeline:
   """Runs stage functions as a GPipe pipeline.
 
@@ -55,6 +49,7 @@ class Pipeline:
     remat: 'always', 'except_last' or 'never'.
     engine: 'unrolled' or 'loop'.
     table: The schedule table of a training step (`planning.schedule`).
+    loss_inside: Whether the last chunk computes the loss (the schedule's).
   """
 
   def __init__(self,
@@ -77,7 +72,8 @@ class Pipeline:
       batch_dim: The batch dimension of every input and output.
       remat: Which calls recompute their forward pass in the backward pass:
         'always', 'except_last' or 'never' (`planning.schedule.RecomputedCalls`).
-      engine: 'unrolled' or 'loop' (which supports remat 'always').
+      engine: 'unrolled' or 'loop' (which alone runs schedules with the loss
+        inside).
       schedule: A key of `planning.schedule.SCHEDULES`.
       virtual_stages: v, the chunks per device.
       name: Name scope of the pipeline's ops.
@@ -102,7 +98,8 @@ class Pipeline:
     if engine == 'auto':
       raise ValueError("engine='auto' is the layer's choice; give the engine "
                        f'{list(schedule_lib.ENGINES)} (schedule.ChooseEngine).')
-    schedule_lib.CheckEngine(engine, remat)
+    schedule_lib.CheckEngine(engine, remat, schedule)
+    self.loss_inside = schedule_lib.CheckSchedule(schedule).loss_inside
     self.table = schedule_lib.BuildTable(schedule, len(devices),
                                          num_micro_batches, virtual_stages)
     if engine == 'unrolled':
@@ -169,4 +166,4 @@ class Pipeline:
       return _ENGINES[self.engine](
           chunks, thetas, inputs, states, table=table,
           batch_dim=self.batch_dim, remat=self.remat, first_id=first_id,
-          training=training)
+          training=training, loss_inside=self.loss_inside)

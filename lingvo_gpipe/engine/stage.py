@@ -78,6 +78,117 @@ def _DisableSpecialization(fn: tf.types.experimental.PolymorphicFunction):
   fn._attributes[_NO_SPECIALIZE] = True  # pylint: disable=protected-access
 
 
+class SplitCall:
+  """A stage's forward that returns what its backward needs, and that backward.
+
+  TensorFlow's own split of a traced forward function, the pair its gradient
+  of a call uses: the forward returns the outputs followed by the
+  intermediate tensors the backward reads; the backward takes the gradients
+  of the differentiable outputs followed by those intermediates. The loop
+  engine stashes the intermediates of a call that does not re-materialize
+  from its forward's tick to its backward's. Intermediates that are the
+  call's own arguments are not stashed: the backward gets the arguments
+  again; nor are those with a static value (shapes, reduction axes), which
+  the backward gets as constants.
+
+  It uses a private TensorFlow API (`ConcreteFunction.
+  _delayed_rewrite_functions.forward_backward()`, TF 2.21); without it the
+  constructor raises, and only remat='always' runs in the loop engine.
+
+      split = SplitCall(stage.forward.get_concrete_function(*args), 'stage 0')
+      outputs, stash = split.Forward(flat_args)
+      grads = split.Backward(d_outputs, flat_args, stash)
+  """
+
+  def __init__(self, concrete: Any, name: str):
+    """Splits a concrete forward function.
+
+    Args:
+      concrete: The concrete function of a stage's forward call.
+      name: The stage's name, for errors.
+
+    Raises:
+      ValueError: if this TensorFlow has no such split, or it is not the
+        expected shape.
+    """
+    # The split appends the intermediates to the forward graph's outputs.
+    self._num_outputs = len(concrete.outputs)
+    self._output_grads = [IsDifferentiable(t) for t in concrete.outputs]
+    try:
+      rewrites = concrete._delayed_rewrite_functions  # pylint: disable=protected-access
+      self._forward, backward = rewrites.forward_backward()
+      self._backward = backward._inference_function  # pylint: disable=protected-access
+      backward_inputs = backward.graph.inputs
+      self._grads_of_args = backward.structured_outputs
+    except AttributeError as e:
+      raise ValueError(
+          f'{name}: this TensorFlow does not split a traced call into forward '
+          'and backward functions (private API), which keeping activations '
+          "in the loop engine needs; use remat='always' or engine='unrolled'."
+      ) from e
+    graph = self._forward.graph
+    self._captures = list(concrete.captured_inputs)
+    arg_ids = {id(t): i for i, t in enumerate(graph.inputs)}
+    # Per intermediate: the argument it is (an index), a constant (a numpy
+    # value: shapes and reduction axes, which XLA needs as constants), or
+    # None: stashed.
+    self._sources = []
+    self.stash_specs = []
+    for t in graph.outputs[self._num_outputs:]:
+      source = arg_ids.get(id(t))
+      if source is None:
+        source = tf.get_static_value(t)
+      if source is None:
+        self.stash_specs.append(tf.TensorSpec(t.shape, t.dtype))
+      self._sources.append(source)
+    num_intermediates = len(self._sources)
+    if len(backward_inputs) - num_intermediates != sum(self._output_grads):
+      raise ValueError(
+          f'{name}: the backward function takes '
+          f'{len(backward_inputs) - num_intermediates} output gradients, '
+          f'expected {sum(self._output_grads)}; this TensorFlow splits calls '
+          "differently. Use remat='always' or engine='unrolled'.")
+
+  def Forward(self, args: Sequence[tf.Tensor]
+             ) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+    """Runs the forward; returns (outputs, tensors to stash)."""
+    results = self._forward.call_flat(*args, *self._captures)
+    intermediates = results[self._num_outputs:]
+    return (list(results[:self._num_outputs]),
+            [t for t, source in zip(intermediates, self._sources)
+             if source is None])
+
+  def Backward(self, d_outputs: Sequence[Optional[tf.Tensor]],
+               args: Sequence[tf.Tensor],
+               stash: Sequence[tf.Tensor]) -> List[Optional[tf.Tensor]]:
+    """Gradients of the call's arguments (None where not differentiable).
+
+    Args:
+      d_outputs: One per forward output: a gradient for each differentiable
+        output (zeros where none flows), anything for the others.
+      args: The call's arguments, as given to `Forward`.
+      stash: What `Forward` returned to stash.
+
+    Returns:
+      One gradient per argument.
+    """
+    inputs = list(args) + self._captures
+    stashed = iter(stash)
+    intermediates = []
+    for source in self._sources:
+      if source is None:
+        intermediates.append(next(stashed))
+      elif isinstance(source, int):
+        intermediates.append(inputs[source])
+      else:
+        intermediates.append(tf.constant(source))
+    grads = [d for d, differentiable in zip(d_outputs, self._output_grads)
+             if differentiable]
+    results = iter(self._backward.call_flat(*grads, *intermediates))
+    return [None if g is None else next(results)
+            for g in self._grads_of_args][:len(args)]
+
+
 class Chain:
   """The ordering chain of one stage: a token plus the weights passed along."""
 

@@ -49,8 +49,9 @@ def CheckTable(table: schedule.Table) -> None:
 def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
         inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
         table: schedule.Table, batch_dim: int, remat: str,
-        first_id: tf.Tensor,
-        training: bool) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
+        first_id: tf.Tensor, training: bool,
+        loss_inside: bool = False
+       ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
   """Builds the C x M chunk calls of one step in table order.
 
   Args:
@@ -63,6 +64,8 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
     remat: One of `schedule.REMAT_MODES`.
     first_id: int64 id of micro-batch 0; micro-batch m gets first_id + m.
     training: If False, no call is set up for recompute.
+    loss_inside: Must be False: schedules with the loss inside run on the
+      loop engine (`schedule.CheckEngine`).
 
   Returns:
     (outputs, states): the last chunk's outputs merged along batch_dim and
@@ -71,6 +74,9 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
   Raises:
     ValueError: if the table's backward is not its forward reversed.
   """
+  if loss_inside:
+    raise ValueError("engine='unrolled' does not run schedules with the loss "
+                     "inside; use engine='loop'.")
   CheckTable(table)
   num_micro, num_chunks = table.num_micro_batches, table.num_chunks
   recomputes = schedule.RecomputedCalls(table, remat)

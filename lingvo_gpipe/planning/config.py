@@ -108,12 +108,15 @@ def CheckShape(cell_names: Sequence[str],
           f'virtual_stages={virtual_stages}; give K * {virtual_stages} '
           'counts (chunk c runs on device c mod K).')
     num_stages = len(counts) // virtual_stages
-  schedule.CheckEngine(engine, remat)
   schedule.CheckSchedule(schedule_name)
+  schedule.CheckEngine(engine, remat, schedule_name)
   checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
   if micro_batch_size is not None:
     checks.CheckPositiveInt('micro_batch_size', micro_batch_size)
   checks.CheckBatchDim(batch_dim)
+  if micro_batch_size is None:  # M is known: the table must exist.
+    schedule.BuildTable(schedule_name, num_stages, num_micro_batches,
+                        virtual_stages)
   return Shape(num_stages, virtual_stages, counts)
 
 

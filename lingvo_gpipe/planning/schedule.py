@@ -38,8 +38,6 @@ PHASES = ('forward', 'recompute', 'backward')
 
 # The engines that build a step (see lingvo_gpipe.engine), and 'auto'.
 ENGINES = ('unrolled', 'loop')
-# The remat modes the loop engine supports: it always re-materializes.
-LOOP_REMAT_MODES = ('always',)
 # 'auto' builds the loop engine from this many micro-batches on. Measured
 # (docs/benchmarks.md, scale): starting and training 100 steps, the unrolled
 # engine was cheaper at every K in {2, 4, 8} up to M = 8, the loop engine at
@@ -385,6 +383,91 @@ def GPipeTable(num_devices: int, num_micro_batches: int,
       _GPipeOrders(num_devices, virtual_stages, num_micro_batches))
 
 
+def _OneFOneBOrders(num_devices: int, virtual_stages: int,
+                    num_micro_batches: int) -> List[List[Action]]:
+  """Each device's actions in 1F1B order; Megatron's interleaving if v > 1.
+
+  The forward of virtual micro-batch i (i < M v) on device k runs chunk
+  r K + k, r = (i mod K v) // K, on micro-batch (i // K v) K + i mod K; its
+  backward takes the chunks in the reverse order. A device first runs its
+  warm-up forwards (K - k - 1 with v = 1; 2 (K - k - 1) + (v - 1) K with
+  v > 1, all of them when M = K), then alternates one forward and one
+  backward, then runs the remaining backwards: it holds at most the
+  warm-up + 1 micro-batches in flight, whatever M.
+
+  Args:
+    num_devices: K.
+    virtual_stages: v.
+    num_micro_batches: M (a multiple of K when v > 1).
+
+  Returns:
+    Per device, its actions in order.
+  """
+  k_devices, v = num_devices, virtual_stages
+  total = num_micro_batches * v
+
+  def Chunk(i, k, forward):
+    r = (i % (k_devices * v)) // k_devices
+    return (r if forward else v - 1 - r) * k_devices + k
+
+  def MicroBatch(i):
+    return (i // (k_devices * v)) * k_devices + i % k_devices
+
+  orders = []
+  for k in range(k_devices):
+    if v == 1:
+      warmup = k_devices - k - 1
+    elif num_micro_batches == k_devices:
+      warmup = total
+    else:
+      warmup = 2 * (k_devices - k - 1) + (v - 1) * k_devices
+    warmup = min(warmup, total)
+    order = [Action(FORWARD, Chunk(i, k, True), MicroBatch(i))
+             for i in range(warmup)]
+    for i in range(total - warmup):
+      order.append(Action(FORWARD, Chunk(warmup + i, k, True),
+                          MicroBatch(warmup + i)))
+      order.append(Action(BACKWARD, Chunk(i, k, False), MicroBatch(i)))
+    order += [Action(BACKWARD, Chunk(i, k, False), MicroBatch(i))
+              for i in range(total - warmup, total)]
+    orders.append(order)
+  return orders
+
+
+def OneFOneBTable(num_devices: int, num_micro_batches: int,
+                  virtual_stages: int = 1) -> Table:
+  """1F1B (PipeDream-Flush), interleaved (Megatron) when v > 1.
+
+  The loss is inside the pipeline (the last chunk computes it), so a
+  micro-batch's backward starts as soon as its forward reaches the loss:
+  device k holds at most K - k micro-batches in flight (v = 1), and the
+  bubble is GPipe's, (K - 1) / (M v + K - 1) with equal chunks.
+
+  Args:
+    num_devices: K.
+    num_micro_batches: M; with v > 1 a multiple of K.
+    virtual_stages: v.
+
+  Returns:
+    The validated table.
+
+  Raises:
+    ValueError: if K, M or v is not a positive int, or v > 1 and K does not
+      divide M.
+  """
+  checks.CheckPositiveInt('num_devices', num_devices)
+  checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
+  checks.CheckPositiveInt('virtual_stages', virtual_stages)
+  if virtual_stages > 1 and num_micro_batches % num_devices:
+    raise ValueError(
+        f'num_micro_batches={num_micro_batches} with schedule=\'1f1b\' and '
+        f'virtual_stages={virtual_stages} must be a multiple of num_stages='
+        f'{num_devices} (interleaved 1F1B runs groups of K micro-batches).')
+  return TableFromOrders(
+      '1f1b', num_devices, virtual_stages, num_micro_batches, False,
+      _OneFOneBOrders(num_devices, virtual_stages, num_micro_batches))
+
+
 class Schedule(NamedTuple):
   """A schedule by name: how to build its table and what it needs."""
   build: Callable[[int, int, int], Table]  # (K, M, v) -> Table.
@@ -397,6 +480,10 @@ SCHEDULES: Dict[str, Schedule] = {
     'gpipe': Schedule(
         GPipeTable, False,
         'all forwards, the loss, all backwards; circular when v > 1'),
+    '1f1b': Schedule(
+        OneFOneBTable, True,
+        'the loss in the last cell; each backward as soon as its forward '
+        'ends; interleaved when v > 1'),
 }
 
 
@@ -491,31 +578,43 @@ def RecomputedCalls(table: Table, remat: str) -> Dict[Tuple[int, int], bool]:
           for m in range(table.num_micro_batches)}
 
 
-def CheckEngine(engine: str, remat: str) -> None:
-  """Raises ValueError unless `engine` ('auto' too) supports `remat`."""
+def CheckEngine(engine: str, remat: str, schedule: str = 'gpipe') -> None:
+  """Raises ValueError unless `engine` ('auto' too) can run the schedule.
+
+  Args:
+    engine: 'auto' or one of `ENGINES`.
+    remat: One of `REMAT_MODES`.
+    schedule: A key of `SCHEDULES`.
+
+  Raises:
+    ValueError: naming the parameter that is unknown, or the engine that
+      cannot run a schedule with the loss inside (the unrolled one).
+  """
   if engine != 'auto' and engine not in ENGINES:
     raise ValueError(f'engine={engine!r} is not supported; use one of '
                      f'{["auto"] + list(ENGINES)}.')
   CheckRemat(remat)
-  if engine == 'loop' and remat not in LOOP_REMAT_MODES:
+  loss_inside = CheckSchedule(schedule).loss_inside
+  if engine == 'unrolled' and loss_inside:
     raise ValueError(
-        f"remat={remat!r} is not supported with engine='loop', which always "
-        "re-materializes; use remat='always', or engine='unrolled' for "
-        f'remat={remat!r}.')
+        f"schedule={schedule!r} is not supported with engine='unrolled', "
+        "whose backward pass is TensorFlow's gradient of its calls, after "
+        "all forwards; use engine='loop' or 'auto'.")
 
 
 def ChooseEngine(engine: str,
                  num_stages: int,
                  num_micro_batches: int,
                  remat: str,
-                 compiled_by_xla: bool = False) -> str:
+                 compiled_by_xla: bool = False,
+                 schedule: str = 'gpipe') -> str:
   """The engine that builds a step: `engine` itself unless it is 'auto'.
 
-  'auto' is 'loop' when remat is 'always' and either M >=
-  AUTO_LOOP_MIN_MICRO_BATCHES or the step is compiled by XLA; else
-  'unrolled'. Under XLA the unrolled engine's recompute is merged back into
-  the forward pass and saves no memory, the loop engine's is not
-  (docs/engines.md).
+  'auto' is 'loop' for a schedule with the loss inside (only the loop
+  engine runs it), when the step is compiled by XLA, or from M =
+  AUTO_LOOP_MIN_MICRO_BATCHES on; else 'unrolled'. Under XLA the unrolled
+  engine's recompute is merged back into the forward pass and saves no
+  memory, the loop engine's is not (docs/engines.md).
 
   Args:
     engine: 'auto', 'unrolled' or 'loop'.
@@ -523,21 +622,21 @@ def ChooseEngine(engine: str,
     num_micro_batches: M.
     remat: One of `REMAT_MODES`.
     compiled_by_xla: Whether XLA compiles the step (e.g. on TPU).
+    schedule: A key of `SCHEDULES`.
 
   Returns:
     'unrolled' or 'loop'.
 
   Raises:
-    ValueError: on an unknown engine or remat mode, a remat mode the engine
-      does not support, or K or M that is not a positive int.
+    ValueError: on an unknown engine, remat mode or schedule, an engine that
+      cannot run the schedule, or K or M that is not a positive int.
   """
-  CheckEngine(engine, remat)
+  CheckEngine(engine, remat, schedule)
   checks.CheckPositiveInt('num_stages', num_stages)
   checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
   if engine != 'auto':
     return engine
-  if remat in LOOP_REMAT_MODES and (
-      compiled_by_xla or
+  if (SCHEDULES[schedule].loss_inside or compiled_by_xla or
       num_micro_batches >= AUTO_LOOP_MIN_MICRO_BATCHES):
     return 'loop'
   return 'unrolled'
