@@ -479,15 +479,21 @@ def _ProfileOutside(params: Any, path: str, batch_size: int, outputs: Any,
     # Ops as targets, not tf.group: grappler would prune pure ops that only
     # a NoOp's control inputs need.
     step = [t.op for t in [loss] + grads]
+    nothing = tf.no_op()
     with tf.compat.v1.Session(graph=graph) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       for _ in range(num_warmup):
         sess.run(step, feed_dict=feed)
+        sess.run(nothing, feed_dict=feed)
       seconds = []
       for _ in range(num_runs):
         start = time.perf_counter()
+        sess.run(nothing, feed_dict=feed)
+        middle = time.perf_counter()
         sess.run(step, feed_dict=feed)
-        seconds.append(time.perf_counter() - start)
+        # Beyond a session call with the same feeds (a step pays it once).
+        seconds.append(max((time.perf_counter() - middle) - (middle - start),
+                           0.0))
       run_metadata = tf.compat.v1.RunMetadata()
       sess.run(step, feed_dict=feed,
                options=tf.compat.v1.RunOptions(
@@ -495,6 +501,46 @@ def _ProfileOutside(params: Any, path: str, batch_size: int, outputs: Any,
                run_metadata=run_metadata)
   peak = sum(d['peak'] for d in DevicePeaks(run_metadata.step_stats).values())
   return float(np.median(seconds)), peak
+
+
+def _SequentialStep(params: Any, path: str, batch_size: int, num_warmup: int,
+                    num_runs: int) -> float:
+  """Median seconds of the task's real training step, pipeline sequential.
+
+  The pipeline as one stage of one micro-batch without recompute, on one
+  device, `batch_size` examples: what Lingvo's trainer runs (input, forward,
+  loss, gradients, gradient clipping, the learner's update, counters).
+
+  Args:
+    params: The model params.
+    path: The pipeline's path.
+    batch_size: Examples.
+    num_warmup: Untimed steps.
+    num_runs: Timed steps.
+
+  Returns:
+    Seconds.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  params = params.Copy()
+  params.input.batch_size = batch_size
+  _SequentialStack(_StackParams(params, path), batch_size)
+  graph = tf.Graph()
+  with graph.as_default(), _Cluster(1, 1):
+    model = params.Instantiate()
+    model.ConstructFPropBPropGraph()
+    train_op = model.GetTask().train_op
+    init_op = tf.compat.v1.global_variables_initializer()
+  with tf.compat.v1.Session(graph=graph) as sess:
+    sess.run(init_op)
+    for _ in range(num_warmup):
+      sess.run(train_op)
+    seconds = []
+    for _ in range(num_runs):
+      start = time.perf_counter()
+      sess.run(train_op)
+      seconds.append(time.perf_counter() - start)
+  return statistics.median(seconds)
 
 
 def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -551,6 +597,14 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
       _ProfileOutside(params, path, b, outputs, batch_dim, warmups, runs)
       for b in replica_sizes
   ]
+  # What a real step costs beyond its parts (the learner: gradient norms and
+  # clipping, counters; the engine's calls), on the smallest replica batch.
+  smallest = replica_sizes[0]
+  sequential_s = _SequentialStep(params, path, smallest, warmups, runs)
+  parts_s = (sum(c.forward_s(smallest) + c.backward_s(smallest) + c.update_s
+                 for c in profiles) +
+             planner.Affine.Fit(replica_sizes,
+                                [o[0] for o in outside])(smallest))
   input_bytes = sum(float(np.asarray(x).nbytes)
                     for x in tf.nest.flatten(captured['inputs'])
                     if x is not None) / batch_size
@@ -563,6 +617,7 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
       outside_bytes=planner.Affine.Fit(replica_sizes, [o[1] for o in outside]),
       model=config['model'],
       stack_path=path,
+      step_overhead_s=max(sequential_s - parts_s, 0.0),
       profiled_sizes=tuple(sizes),
       stack_settings=stack_settings)
   result = profile.ToJson()
@@ -573,6 +628,8 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
                      for y in tf.nest.flatten(outputs)],
       outside_measured={str(b): list(o) for b, o in zip(replica_sizes,
                                                         outside)},
+      sequential_step_s={str(smallest): sequential_s},
+      sequential_parts_s=parts_s,
       profile_s=time.time() - start)
   return result
 

@@ -349,7 +349,7 @@ class CellRun(NamedTuple):
   """One cell profiled on one micro-batch (see `ProfileCell`).
 
   Attributes:
-    forward_s: Median seconds of the forward pass.
+    forward_s: Median seconds of the forward pass (beyond a session call).
     backward_s: Median seconds of forward + backward, minus forward_s.
     update_s: Median seconds of the optimizer update of its variables, on
       fed gradients (0 without an optimizer).
@@ -458,9 +458,11 @@ def ProfileCell(cell: base_layer.BaseLayer,
   The cell is rebuilt from its params; its backward pass computes the
   gradients of its weights and float inputs given fed upstream gradients
   (`UPSTREAM_GRADIENT`; no loss of its outputs is kept); the update applies
-  `optimizer_fn()` to fed weight gradients. Forward, forward + backward and
-  the update run in turns, `num_warmup` turns untimed, then `num_runs` timed
-  (medians; backward = forward + backward - forward).
+  `optimizer_fn()` to fed weight gradients. Forward, forward + backward, the
+  update and a session call that does nothing run in turns, `num_warmup`
+  turns untimed, then `num_runs` timed; each time is a median minus the
+  empty call's (a real step pays the session call once, not per cell), and
+  backward = forward + backward - forward.
 
   Args:
     cell: An instantiated Lingvo layer.
@@ -521,6 +523,7 @@ def ProfileCell(cell: base_layer.BaseLayer,
       slot_bytes = sum(_Bytes(s.shape.as_list(), s.dtype.base_dtype)
                        for s in slots if s is not None)
     kept_shapes = [tf.shape(t) for t in kept]
+    nothing = tf.no_op()
     with tf.compat.v1.Session(graph=graph) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       values = sess.run(fetched, feed_dict=feed)
@@ -530,14 +533,17 @@ def ProfileCell(cell: base_layer.BaseLayer,
                                      if t.dtype.is_floating])
       })
       shapes = sess.run(kept_shapes, feed_dict=feed)
-      steps = [forward_step, backward_step]
+      # The first is a run that does nothing with the same feeds: the cost
+      # of a session call, which a real step pays once, not once per cell.
+      steps = [nothing, forward_step, backward_step]
       if update_step is not None:
         steps.append(update_step)
       medians = _InterleavedMedians(
           [lambda step=step: sess.run(step, feed_dict=feed) for step in steps],
           num_warmup, num_runs)
-      forward_s, both_s = medians[:2]
-      update_s = medians[2] if update_step is not None else 0.0
+      work = [max(m - medians[0], 0.0) for m in medians[1:]]
+      forward_s, both_s = work[:2]
+      update_s = work[2] if update_step is not None else 0.0
   values = iter(values)
   numpy_outputs = [None if y is None else next(values) for y in flat_outputs]
   output_bytes = sum(float(np.asarray(y).nbytes) for y in numpy_outputs

@@ -20,7 +20,9 @@ The model of time: the schedule table simulated (`simulate.Simulate`) with
 per-chunk forward and backward times (each cell's time is affine in the
 micro-batch size, fitted on two profiled sizes), plus the work around the
 pipeline on the replica's batch (input, loss and its gradient), plus the
-optimizer update of the slowest device. The model of memory is the table's
+optimizer update of the slowest device, plus what a real sequential step
+costs beyond those parts (the learner's gradient norms and clipping, the
+engine's calls). The model of memory is the table's
 (`simulate.Simulate`: per device, the chunk inputs it holds from forward to
 backward, the activations of running and kept calls, weight gradients from a
 chunk's first backward), plus per device its chunks' weights and optimizer
@@ -154,6 +156,10 @@ class Profile:
       pipeline: the input, the loss and its gradient.
     outside_bytes: Bytes that work allocates at its peak, on a replica's
       batch (on the replica's first device, where Lingvo runs it).
+    step_overhead_s: Seconds of a real step beyond its parts (the cells'
+      forward and backward, their updates, the work around the pipeline),
+      measured on the task's step with the pipeline sequential: the
+      learner's gradient norms, clipping and counters, the engine's calls.
     model: The model's name (for messages and override lines).
     stack_path: Where its GPipeSequentialLayer is, e.g. 'task.stack'.
     profiled_sizes: The micro-batch sizes the cells were timed on.
@@ -167,6 +173,7 @@ class Profile:
   loss_inside: bool = False
   outside_s: Affine = Affine(0.0, 0.0)
   outside_bytes: Affine = Affine(0.0, 0.0)
+  step_overhead_s: float = 0.0
   model: str = ''
   stack_path: str = 'task.stack'
   profiled_sizes: Tuple[int, ...] = ()
@@ -184,6 +191,7 @@ class Profile:
         'loss_inside': self.loss_inside,
         'outside_s': self.outside_s.ToJson(),
         'outside_bytes': self.outside_bytes.ToJson(),
+        'step_overhead_s': self.step_overhead_s,
         'model': self.model,
         'stack_path': self.stack_path,
         'profiled_sizes': list(self.profiled_sizes),
@@ -199,6 +207,7 @@ class Profile:
         loss_inside=bool(value.get('loss_inside', False)),
         outside_s=Affine.FromJson(value.get('outside_s', [0.0, 0.0])),
         outside_bytes=Affine.FromJson(value.get('outside_bytes', [0.0, 0.0])),
+        step_overhead_s=float(value.get('step_overhead_s', 0.0)),
         model=value.get('model', ''),
         stack_path=value.get('stack_path', 'task.stack'),
         profiled_sizes=tuple(value.get('profiled_sizes', ())),
@@ -224,7 +233,8 @@ class Candidate:
     device_peak_bytes: Predicted peak of each device of one pipeline.
     peak_device: The device with the largest peak.
     peak_terms: {term of `MEMORY_TERMS`: bytes} of the peak device's peak.
-    step_terms: {'pipeline', 'outside_pipeline', 'update': seconds}.
+    step_terms: {'pipeline', 'outside_pipeline', 'update', 'overhead':
+      seconds}.
     partition_rule: 'fastest' (the min-max partition) or 'memory_limit'
       (the min-max partition under a per-chunk memory limit).
     bubble_fraction: The simulated idle share of the pipeline.
@@ -298,7 +308,8 @@ def Predict(profile: Profile,
   Time: `simulate.Simulate` of the schedule table (lockstep ticks if
   engine='auto' picks the loop engine) with per-chunk forward and backward
   times on the micro-batch, plus `profile.outside_s` on the replica's batch,
-  plus the largest per-device sum of its cells' update times.
+  plus the largest per-device sum of its cells' update times, plus
+  `profile.step_overhead_s`.
 
   Memory, per device k of one pipeline: its chunks' weights, optimizer slots
   and (from their first backward) weight gradients; the table's stage inputs
@@ -377,7 +388,7 @@ def Predict(profile: Profile,
   update = max(sum(updates[c] for c in range(k, table.num_chunks,
                                                num_stages))
                for k in range(num_stages))
-  step = sim.step_time + outside + update
+  step = sim.step_time + outside + update + profile.step_overhead_s
   peak = device_peaks[peak_device]
   return Candidate(
       num_stages=num_stages,
@@ -395,7 +406,7 @@ def Predict(profile: Profile,
       peak_device=peak_device,
       peak_terms=device_terms[peak_device],
       step_terms={'pipeline': sim.step_time, 'outside_pipeline': outside,
-                  'update': update},
+                  'update': update, 'overhead': profile.step_overhead_s},
       partition_rule=partition_rule,
       bubble_fraction=sim.bubble_fraction)
 
