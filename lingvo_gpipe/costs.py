@@ -349,10 +349,10 @@ class CellRun(NamedTuple):
   """One cell profiled on one micro-batch (see `ProfileCell`).
 
   Attributes:
-    forward_s: Median seconds of the forward pass (beyond a session call).
-    backward_s: Median seconds of forward + backward, minus forward_s.
-    update_s: Median seconds of the optimizer update of its variables, on
-      fed gradients (0 without an optimizer).
+    forward_s: Seconds of the forward pass (beyond a session call).
+    backward_s: Seconds of forward + backward, minus forward_s.
+    update_s: Seconds of the optimizer update of its variables, on fed
+      gradients (0 without an optimizer).
     kept_bytes: Bytes of the tensors of the forward pass that the backward
       reads (`KeptTensors`).
     output_bytes: Bytes of the cell's outputs.
@@ -420,13 +420,13 @@ def KeptTensors(forward_ops: Sequence[Any], backward_ops: Sequence[Any],
   return [kept[name] for name in sorted(kept)]
 
 
-def _InterleavedMedians(runs: Sequence[Callable[[], None]], num_warmup: int,
+def _InterleavedFastest(runs: Sequence[Callable[[], None]], num_warmup: int,
                         num_runs: int) -> List[float]:
-  """Median seconds of each function, run in turns.
+  """The fastest of `num_runs` timed runs of each function, run in turns.
 
-  Turns spread slow phases of a shared machine over all of them, so that
-  differences of the medians (backward = forward + backward - forward) are
-  not differences of load.
+  Turns spread slow phases of a shared machine over all of them; the fastest
+  run is the one least slowed by other processes (the planner's
+  verification reports the fastest step too, and the median).
 
   Args:
     runs: Functions to time.
@@ -434,7 +434,7 @@ def _InterleavedMedians(runs: Sequence[Callable[[], None]], num_warmup: int,
     num_runs: Timed turns.
 
   Returns:
-    One median per function.
+    One time per function, in seconds.
   """
   for _ in range(num_warmup):
     for run in runs:
@@ -445,7 +445,7 @@ def _InterleavedMedians(runs: Sequence[Callable[[], None]], num_warmup: int,
       start = time.perf_counter()
       run()
       seconds[i].append(time.perf_counter() - start)
-  return [float(np.median(s)) for s in seconds]
+  return [float(min(s)) for s in seconds]
 
 
 def ProfileCell(cell: base_layer.BaseLayer,
@@ -460,9 +460,9 @@ def ProfileCell(cell: base_layer.BaseLayer,
   (`UPSTREAM_GRADIENT`; no loss of its outputs is kept); the update applies
   `optimizer_fn()` to fed weight gradients. Forward, forward + backward, the
   update and a session call that does nothing run in turns, `num_warmup`
-  turns untimed, then `num_runs` timed; each time is a median minus the
-  empty call's (a real step pays the session call once, not per cell), and
-  backward = forward + backward - forward.
+  turns untimed, then `num_runs` timed; each time is the fastest run minus
+  the empty call's (a real step pays the session call once, not per cell),
+  and backward = forward + backward - forward.
 
   Args:
     cell: An instantiated Lingvo layer.
@@ -538,10 +538,10 @@ def ProfileCell(cell: base_layer.BaseLayer,
       steps = [nothing, forward_step, backward_step]
       if update_step is not None:
         steps.append(update_step)
-      medians = _InterleavedMedians(
+      fastest = _InterleavedFastest(
           [lambda step=step: sess.run(step, feed_dict=feed) for step in steps],
           num_warmup, num_runs)
-      work = [max(m - medians[0], 0.0) for m in medians[1:]]
+      work = [max(t - fastest[0], 0.0) for t in fastest[1:]]
       forward_s, both_s = work[:2]
       update_s = work[2] if update_step is not None else 0.0
   values = iter(values)

@@ -238,10 +238,12 @@ class Candidate:
     partition_rule: 'fastest' (the min-max partition) or 'memory_limit'
       (the min-max partition under a per-chunk memory limit).
     bubble_fraction: The simulated idle share of the pipeline.
-    measured_step_s: Measured step seconds (after verification).
+    measured_step_s: Measured step seconds, the fastest of the verified
+      steps (after verification).
     measured_peak_bytes: Measured largest per-device peak (after
       verification).
     measured_device_peak_bytes: Measured peak of each device.
+    measured_median_step_s: The median of the verified steps.
   """
   num_stages: int
   num_micro_batches: int
@@ -263,6 +265,7 @@ class Candidate:
   measured_step_s: Optional[float] = None
   measured_peak_bytes: Optional[float] = None
   measured_device_peak_bytes: Optional[List[float]] = None
+  measured_median_step_s: Optional[float] = None
 
   def Describe(self) -> str:
     """E.g. "K=2 v=1 M=4 R=1 gpipe remat='never' [3, 3]"."""
