@@ -160,6 +160,11 @@ class Profile:
       forward and backward, their updates, the work around the pipeline),
       measured on the task's step with the pipeline sequential: the
       learner's gradient norms, clipping and counters, the engine's calls.
+    call_overhead_s: Seconds the engine adds to each forward + backward of
+      a call of the whole stack on one micro-batch (measured as the real
+      step with two micro-batches minus the one with one, beyond the cells'
+      own costs); shared among the cells in proportion to their fixed
+      costs (`CallOverheads`).
     model: The model's name (for messages and override lines).
     stack_path: Where its GPipeSequentialLayer is, e.g. 'task.stack'.
     profiled_sizes: The micro-batch sizes the cells were timed on.
@@ -174,6 +179,7 @@ class Profile:
   outside_s: Affine = Affine(0.0, 0.0)
   outside_bytes: Affine = Affine(0.0, 0.0)
   step_overhead_s: float = 0.0
+  call_overhead_s: float = 0.0
   model: str = ''
   stack_path: str = 'task.stack'
   profiled_sizes: Tuple[int, ...] = ()
@@ -192,6 +198,7 @@ class Profile:
         'outside_s': self.outside_s.ToJson(),
         'outside_bytes': self.outside_bytes.ToJson(),
         'step_overhead_s': self.step_overhead_s,
+        'call_overhead_s': self.call_overhead_s,
         'model': self.model,
         'stack_path': self.stack_path,
         'profiled_sizes': list(self.profiled_sizes),
@@ -208,6 +215,7 @@ class Profile:
         outside_s=Affine.FromJson(value.get('outside_s', [0.0, 0.0])),
         outside_bytes=Affine.FromJson(value.get('outside_bytes', [0.0, 0.0])),
         step_overhead_s=float(value.get('step_overhead_s', 0.0)),
+        call_overhead_s=float(value.get('call_overhead_s', 0.0)),
         model=value.get('model', ''),
         stack_path=value.get('stack_path', 'task.stack'),
         profiled_sizes=tuple(value.get('profiled_sizes', ())),
@@ -277,6 +285,25 @@ class Candidate:
     return dataclasses.asdict(self)
 
 
+def CallOverheads(profile: Profile) -> List[float]:
+  """Per cell, its share of the engine's cost of a forward + backward call.
+
+  `profile.call_overhead_s` shared in proportion to each cell's fixed
+  (per-call) forward + backward time, or equally if those are all 0.
+
+  Args:
+    profile: The model.
+
+  Returns:
+    Seconds per cell; half is added to its forward, half to its backward.
+  """
+  weights = [c.forward_s.fixed + c.backward_s.fixed for c in profile.cells]
+  total = sum(weights)
+  if total <= 0:
+    weights, total = [1.0] * profile.num_cells, float(profile.num_cells)
+  return [profile.call_overhead_s * w / total for w in weights]
+
+
 def MicroBatchSize(batch_size: int, replicas: int,
                    num_micro_batches: int) -> int:
   """Examples per micro-batch: B / (R M); ValueError unless it divides."""
@@ -310,7 +337,8 @@ def Predict(profile: Profile,
 
   Time: `simulate.Simulate` of the schedule table (lockstep ticks if
   engine='auto' picks the loop engine) with per-chunk forward and backward
-  times on the micro-batch, plus `profile.outside_s` on the replica's batch,
+  times on the micro-batch (each with its cells' shares of the engine's call
+  cost, `CallOverheads`), plus `profile.outside_s` on the replica's batch,
   plus the largest per-device sum of its cells' update times, plus
   `profile.step_overhead_s`.
 
@@ -349,8 +377,11 @@ def Predict(profile: Profile,
                               virtual_stages)
   engine = schedule.ChooseEngine('auto', num_stages, num_micro_batches, remat)
   cells = profile.cells
-  forward = _ChunkSums([c.forward_s(micro) for c in cells], counts)
-  backward = _ChunkSums([c.backward_s(micro) for c in cells], counts)
+  calls = CallOverheads(profile)
+  forward = _ChunkSums(
+      [c.forward_s(micro) + e / 2 for c, e in zip(cells, calls)], counts)
+  backward = _ChunkSums(
+      [c.backward_s(micro) + e / 2 for c, e in zip(cells, calls)], counts)
   activations = _ChunkSums([c.activation_bytes * micro for c in cells],
                            counts)
   gradients = _ChunkSums([c.gradient_bytes for c in cells], counts)
@@ -473,8 +504,9 @@ def _CellCosts(profile: Profile, micro: int, remat: str) -> List[float]:
   """Per cell, the time of one call: forward, backward, recompute."""
   recompute = remat != 'never'
   return [
-      c.forward_s(micro) * (2 if recompute else 1) + c.backward_s(micro)
-      for c in profile.cells
+      (c.forward_s(micro) + e / 2) * (2 if recompute else 1) +
+      c.backward_s(micro) + e / 2
+      for c, e in zip(profile.cells, CallOverheads(profile))
   ]
 
 
