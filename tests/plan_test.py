@@ -351,8 +351,9 @@ def testAutoVerifiesTheBest(runs):
     assert len(c['partition']) == c['num_stages'] * c['virtual_stages']
     assert c['fits'] == (c['predicted_peak_bytes'] <= 64 * 2**20)
   assert _Ranked(candidates)
-  # K in {1, 2}: M divides 8 / R; v <= 2 with K = 2; 3 remat modes.
-  assert len(candidates) == 3 * (4 + 4 * 2)
+  # K=1 (R=2, 4 examples each): M in {1, 2, 4}; K=2 (R=1): M in {1, 2, 4,
+  # 8} and v in {1, 2}; 3 remat modes each.
+  assert len(candidates) == 3 * (3 + 4 * 2)
   best = candidates[0]
   assert best['measured_step_s'] > 0 and best['measured_peak_bytes'] > 0
   assert all(c['measured_step_s'] is None for c in candidates[1:])
