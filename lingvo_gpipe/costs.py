@@ -353,6 +353,9 @@ class CellRun(NamedTuple):
     backward_s: Seconds of forward + backward, minus forward_s.
     update_s: Seconds of the optimizer update of its variables, on fed
       gradients (0 without an optimizer).
+    workspace_bytes: The most bytes the kernels of forward + backward held at
+      once (one FULL_TRACE run, `AllocationPeak`) beyond the kept tensors and
+      the weight gradients: what a running backward needs besides them.
     kept_bytes: Bytes of the tensors of the forward pass that the backward
       reads (`KeptTensors`).
     output_bytes: Bytes of the cell's outputs.
@@ -364,6 +367,7 @@ class CellRun(NamedTuple):
   forward_s: float
   backward_s: float
   update_s: float
+  workspace_bytes: float
   kept_bytes: float
   output_bytes: float
   weight_bytes: float
@@ -544,22 +548,55 @@ def ProfileCell(cell: base_layer.BaseLayer,
       work = [max(t - fastest[0], 0.0) for t in fastest[1:]]
       forward_s, both_s = work[:2]
       update_s = work[2] if update_step is not None else 0.0
+      run_metadata = tf.compat.v1.RunMetadata()
+      sess.run(backward_step, feed_dict=feed,
+               options=tf.compat.v1.RunOptions(
+                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+               run_metadata=run_metadata)
+      step_peak = AllocationPeak(run_metadata.step_stats)
   values = iter(values)
   numpy_outputs = [None if y is None else next(values) for y in flat_outputs]
   output_bytes = sum(float(np.asarray(y).nbytes) for y in numpy_outputs
                      if y is not None)
+  kept_bytes = sum(_Bytes(s, t.dtype) for s, t in zip(shapes, kept))
+  gradient_bytes = sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
+                       for v in trainable)
   return CellRun(
       forward_s=forward_s,
       backward_s=max(both_s - forward_s, 0.0),
       update_s=update_s,
-      kept_bytes=sum(_Bytes(s, t.dtype) for s, t in zip(shapes, kept)),
+      workspace_bytes=max(step_peak - kept_bytes - gradient_bytes, 0.0),
+      kept_bytes=kept_bytes,
       output_bytes=output_bytes,
       weight_bytes=sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
                        for v in variables),
-      gradient_bytes=sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
-                         for v in trainable),
+      gradient_bytes=gradient_bytes,
       slot_bytes=slot_bytes,
       outputs=tf.nest.pack_sequence_as(outputs, numpy_outputs))
+
+
+def AllocationPeak(step_stats: Any) -> float:
+  """The most bytes a traced run's kernels held at once (all devices).
+
+  Replays the allocation records that step stats keep per node (FULL_TRACE):
+  allocations positive, releases negative, in time order. Variables and
+  what earlier runs left are not in them.
+
+  Args:
+    step_stats: `RunMetadata.step_stats`.
+
+  Returns:
+    Bytes.
+  """
+  records = sorted(
+      (r.alloc_micros, r.alloc_bytes) for d in step_stats.dev_stats
+      for node in d.node_stats for m in node.memory
+      for r in m.allocation_records)
+  held = peak = 0
+  for _, size in records:
+    held += size
+    peak = max(peak, held)
+  return float(peak)
 
 
 def SliceBatch(inputs: Any, batch_dim: int, size: int) -> Any:
@@ -651,6 +688,7 @@ def ProfileCells(cells: Sequence[base_layer.BaseLayer],
                                       [r.backward_s for r in cell_runs]),
         update_s=float(np.median([r.update_s for r in cell_runs])),
         activation_bytes=last.kept_bytes / largest,
+        workspace_bytes=last.workspace_bytes / largest,
         output_bytes=last.output_bytes / largest,
         weight_bytes=last.weight_bytes,
         gradient_bytes=last.gradient_bytes,

@@ -112,12 +112,25 @@ def testPredictTimeAndMemoryByHand():
   assert c.peak_device == 1
   assert c.peak_terms == {'weights': 200, 'optimizer_slots': 120,
                           'gradients': 120, 'stage_inputs': 6,
-                          'activations': 40, 'outside_pipeline': 0,
-                          'merged_output': 20}
+                          'activations': 40, 'backward_workspace': 0,
+                          'outside_pipeline': 0, 'merged_output': 20}
   assert c.predicted_peak_bytes == 506 and c.fits
   assert c.engine == 'unrolled' and c.replicas == 1
   assert not planner.Predict(profile, 2, 2, 'never', [1, 1],
                              memory_per_device=505).fits
+
+
+def testBackwardWorkspace():
+  # A running backward needs its largest cell's workspace (per example, on
+  # the micro-batch): 5 x 2 bytes on device 0 next to its two inputs' worth
+  # of nothing and one call's activations.
+  cells = [_Cell('a', activation=10.0, weight=1.0),
+           _Cell('b', weight=1.0)]
+  cells[0] = planner.CellProfile(**{**cells[0].__dict__,
+                                    'workspace_bytes': 5.0})
+  c = planner.Predict(_Profile(cells), 2, 2, 'always', [1, 1])
+  assert c.device_peak_bytes[0] == 1 + 20 + 10
+  assert c.device_peak_bytes[1] == 1
 
 
 def testSearchFindsTheHandOptimum():
@@ -259,6 +272,7 @@ def testProfileCellsSizes():
   assert a.output_bytes == 16 * 4 and b.output_bytes == 4 * 4
   assert a.weight_bytes == (8 * 16 + 16) * 4 == a.gradient_bytes
   assert a.slot_bytes == 2 * a.weight_bytes  # Adam: m and v.
+  assert a.workspace_bytes >= 0 and b.workspace_bytes >= 0
   assert b.weight_bytes == (16 * 4 + 4) * 4
   assert np.shape(outputs[0]) == (8, 4)
   for p in profiles:

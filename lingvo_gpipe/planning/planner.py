@@ -42,7 +42,8 @@ from lingvo_gpipe.planning import simulate
 
 # The terms of a device's predicted peak, in the order they are reported.
 MEMORY_TERMS = ('weights', 'optimizer_slots', 'gradients', 'stage_inputs',
-                'activations', 'outside_pipeline', 'merged_output')
+                'activations', 'backward_workspace', 'outside_pipeline',
+                'merged_output')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,9 @@ class CellProfile:
       weights).
     output_bytes: Per example, the bytes of its outputs (the next cell's
       inputs).
+    workspace_bytes: Per example, what its running backward holds besides
+      the kept activations and weight gradients (gradients of activations,
+      kernels' temporaries), measured.
     weight_bytes: Bytes of all its variables.
     gradient_bytes: Bytes of its trainable variables (one gradient each).
     slot_bytes: Bytes of the optimizer's slots for its variables.
@@ -126,6 +130,7 @@ class CellProfile:
   weight_bytes: float
   gradient_bytes: float
   slot_bytes: float
+  workspace_bytes: float = 0.0
 
   def ToJson(self) -> Dict[str, Any]:
     result = dataclasses.asdict(self)
@@ -345,7 +350,8 @@ def Predict(profile: Profile,
   Memory, per device k of one pipeline: its chunks' weights, optimizer slots
   and (from their first backward) weight gradients; the table's stage inputs
   and activations (`simulate.Simulate` with byte sizes: the input of chunk c
-  is the output of chunk c - 1, or the pipeline's input for c = 0); on the
+  is the output of chunk c - 1, or the pipeline's input for c = 0); the
+  workspace of a running backward (the largest of its chunks' cells'); on the
   first device, `profile.outside_bytes` (input and loss temporaries); on the
   device of the last chunk, the merged output of the replica's batch.
 
@@ -395,6 +401,11 @@ def Predict(profile: Profile,
       table, forward, backward, remat,
       input_memory=inputs, activation_memory=activations,
       lockstep=engine == 'loop', gradient_memory=gradients)
+  # A running backward's workspace: the largest of one of its cells'.
+  workspace = [
+      max(c.workspace_bytes * micro for c in cells[end - count:end])
+      for end, count in zip(ends, counts)
+  ]
   merged_output = cells[-1].output_bytes * replica_batch
   last_device = table.Device(table.num_chunks - 1)
   device_peaks, device_terms = [], []
@@ -406,6 +417,7 @@ def Predict(profile: Profile,
         'gradients': sim.peak_gradients[k],
         'stage_inputs': 0.0,
         'activations': 0.0,
+        'backward_workspace': max(workspace[c] for c in own),
         'outside_pipeline': (profile.outside_bytes(replica_batch)
                              if k == 0 else 0.0),
         'merged_output': merged_output if k == last_device else 0.0,
