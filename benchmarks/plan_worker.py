@@ -231,7 +231,6 @@ def VariableBytesPerDevice(variables: Sequence[Any], stack: Any,
     (bytes per device, bytes of the stack's variables and slots, bytes of the
     others).
   """
-  from lingvo_gpipe.planning import config  # pylint: disable=g-import-not-at-top
   cells = stack.params.cell_tpl
   prefixes = {}
   for i, cell_p in enumerate(cells):
@@ -252,7 +251,6 @@ def VariableBytesPerDevice(variables: Sequence[Any], stack: Any,
     else:
       stack_bytes += size
       per_stage[chunk_of_cell[cell] % split_size] += size
-  del config
   return per_stage * (num_devices // split_size), stack_bytes, other_bytes
 
 
@@ -276,10 +274,7 @@ def Measure(config: Dict[str, Any]) -> Dict[str, Any]:
   """
   num_devices, split_size = config['num_devices'], config['split_size']
   SetUpTensorFlow(num_devices, config.get('intra_op_threads', 1))
-  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils
-  import tensorflow as tf
-  # pylint: enable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   params = ModelParams(config['model'], config.get('overrides', ''))
   path, _ = FindStack(params.task)
   graph = tf.Graph()
@@ -326,7 +321,6 @@ def Measure(config: Dict[str, Any]) -> Dict[str, Any]:
   per_device, stack_bytes, other_bytes = VariableBytesPerDevice(
       variables, stack, num_devices, split_size)
   device_peaks = [t + v for t, v in zip(transient, per_device)]
-  del py_utils
   return {
       # The fastest step: the one least slowed by other processes on a
       # shared machine (the profile takes the fastest runs too).
