@@ -7,11 +7,19 @@ from timing each cell's forward and backward pass on a sample micro-batch:
     counts = partition.PartitionCosts(costs, 4, memory=CellMemory(cells))
 
 `planning.report.PartitionReport` prints the chosen stages next to Lingvo's
-heuristic; that part needs no Lingvo.
+heuristic; that part needs no Lingvo. `ProfileCells` measures what the
+planner (`planning.planner`) needs of each cell: forward, backward and
+optimizer-update time on micro-batches of two sizes, the activation bytes
+its backward keeps, its output, weight, gradient and optimizer-slot bytes:
+
+    profiles = ProfileCells(cells, sample_inputs, batch_dim=0,
+                            micro_batch_sizes=[4, 32],
+                            optimizer_fn=lambda: tf.train.AdamOptimizer(1e-3))
 """
 
+import collections
 import time
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from lingvo import compat as tf
 from lingvo.core import base_layer
@@ -20,6 +28,7 @@ from lingvo.core import tshape
 import numpy as np
 
 from lingvo_gpipe.planning import config
+from lingvo_gpipe.planning import planner
 
 METHODS = config.COST_PARTITIONS
 
@@ -165,6 +174,16 @@ def _SquaredSum(outputs: Sequence[Any]):
   return tf.add_n(terms) if terms else None
 
 
+def _Targets(tensors: Sequence[Any]) -> List[Any]:
+  """The ops of `tensors`, to run them without fetching their values.
+
+  Not `tf.group(tensors)`: grappler prunes side-effect-free ops that only a
+  NoOp's control inputs need, and the session would run nothing. Fed
+  placeholders (an input passed through) are no work and are left out.
+  """
+  return [t.op for t in tensors if t.op.type != 'Placeholder']
+
+
 def _TimeCell(cell: base_layer.BaseLayer, inputs: tuple, num_warmup: int,
               num_runs: int):
   """Times one cell's FProp + gradients in a fresh graph.
@@ -199,7 +218,7 @@ def _TimeCell(cell: base_layer.BaseLayer, inputs: tuple, num_warmup: int,
           p for p in placeholders if p is not None and p.dtype.is_floating
       ]
       work += [g for g in tf.gradients(loss, wrt) if g is not None]
-    step = tf.group(work)
+    step = _Targets(work)
     with tf.compat.v1.Session(graph=graph) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       values = iter(sess.run(fetched, feed_dict=feed))
@@ -312,3 +331,366 @@ def CellCosts(cells: Sequence[base_layer.BaseLayer],
   if sample_inputs is None:
     sample_inputs = _SampleFromShapes(input_shapes)
   return ProfileTimes(cells, sample_inputs)
+
+
+# The upstream gradient of every output element while a cell is profiled.
+UPSTREAM_GRADIENT = 1e-6
+
+# Ops whose output is (a view of) their first input's buffer: a tensor the
+# backward keeps through one of them costs no memory of its own.
+ALIASING_OPS = frozenset([
+    'Identity', 'IdentityN', 'Reshape', 'ExpandDims', 'Squeeze',
+    'StopGradient', 'Snapshot', 'PreventGradient', 'EnsureShape',
+    'CheckNumerics'
+])
+
+
+class CellRun(NamedTuple):
+  """One cell profiled on one micro-batch (see `ProfileCell`).
+
+  Attributes:
+    forward_s: Seconds of the forward pass (beyond a session call).
+    backward_s: Seconds of forward + backward, minus forward_s.
+    update_s: Seconds of the optimizer update of its variables, on fed
+      gradients (0 without an optimizer).
+    workspace_bytes: The most bytes the kernels of forward + backward held at
+      once (one FULL_TRACE run, `AllocationPeak`) beyond the kept tensors and
+      the weight gradients: what a running backward needs besides them.
+    kept_bytes: Bytes of the tensors of the forward pass that the backward
+      reads (`KeptTensors`).
+    output_bytes: Bytes of the cell's outputs.
+    weight_bytes: Bytes of all the cell's variables.
+    gradient_bytes: Bytes of its trainable variables.
+    slot_bytes: Bytes of the optimizer's slots for them.
+    outputs: The outputs as numpy, in FProp's structure.
+  """
+  forward_s: float
+  backward_s: float
+  update_s: float
+  workspace_bytes: float
+  kept_bytes: float
+  output_bytes: float
+  weight_bytes: float
+  gradient_bytes: float
+  slot_bytes: float
+  outputs: Any
+
+
+def _Bytes(shape: Sequence[int], dtype: Any) -> float:
+  return float(np.prod(shape, dtype=np.float64) * tf.as_dtype(dtype).size)
+
+
+def _Source(tensor: Any) -> Any:
+  """The tensor whose buffer `tensor` shares (through `ALIASING_OPS`)."""
+  while tensor.op.type in ALIASING_OPS and tensor.op.inputs:
+    tensor = tensor.op.inputs[0]
+  return tensor
+
+
+def KeptTensors(forward_ops: Sequence[Any], backward_ops: Sequence[Any],
+                inputs: Sequence[Any]) -> List[Any]:
+  """The tensors of a forward pass that its backward pass reads.
+
+  Those are what a call keeps from its forward to its backward when it does
+  not re-materialize. Counted once per buffer (views through `ALIASING_OPS`
+  lead to their source); left out are the inputs themselves (the pipeline
+  holds them as stage inputs) and tensors that do not depend on an input
+  (weights and constants: no activations).
+
+  Args:
+    forward_ops: The ops the cell's FProp created.
+    backward_ops: The ops `tf.gradients` created.
+    inputs: The cell's input tensors (placeholders).
+
+  Returns:
+    The kept tensors, each once.
+  """
+  forward = set(forward_ops)
+  input_set = set(inputs)
+  # Forward ops that depend on an input, in creation order (topological).
+  depends = set()
+  for op in forward_ops:
+    if any(t in input_set or t.op in depends for t in op.inputs):
+      depends.add(op)
+  kept = {}
+  for op in backward_ops:
+    for t in op.inputs:
+      if t.op not in forward:
+        continue
+      source = _Source(t)
+      if source in input_set or source.op not in depends:
+        continue
+      kept[source.name] = source
+  return [kept[name] for name in sorted(kept)]
+
+
+def _InterleavedFastest(runs: Sequence[Callable[[], None]], num_warmup: int,
+                        num_runs: int) -> List[float]:
+  """The fastest of `num_runs` timed runs of each function, run in turns.
+
+  Turns spread slow phases of a shared machine over all of them; the fastest
+  run is the one least slowed by other processes (the planner's
+  verification reports the fastest step too, and the median).
+
+  Args:
+    runs: Functions to time.
+    num_warmup: Untimed turns first.
+    num_runs: Timed turns.
+
+  Returns:
+    One time per function, in seconds.
+  """
+  for _ in range(num_warmup):
+    for run in runs:
+      run()
+  seconds = [[] for _ in runs]
+  for _ in range(num_runs):
+    for i, run in enumerate(runs):
+      start = time.perf_counter()
+      run()
+      seconds[i].append(time.perf_counter() - start)
+  return [float(min(s)) for s in seconds]
+
+
+def ProfileCell(cell: base_layer.BaseLayer,
+                inputs: tuple,
+                optimizer_fn: Optional[Callable[[], Any]] = None,
+                num_warmup: int = PROFILE_WARMUP_RUNS,
+                num_runs: int = PROFILE_TIMED_RUNS) -> CellRun:
+  """Times and sizes one cell on one micro-batch, in a fresh graph.
+
+  The cell is rebuilt from its params; its backward pass computes the
+  gradients of its weights and float inputs given fed upstream gradients
+  (`UPSTREAM_GRADIENT`; no loss of its outputs is kept); the update applies
+  `optimizer_fn()` to fed weight gradients. Forward, forward + backward, the
+  update and a session call that does nothing run in turns, `num_warmup`
+  turns untimed, then `num_runs` timed; each time is the fastest run minus
+  the empty call's (a real step pays the session call once, not per cell),
+  and backward = forward + backward - forward.
+
+  Args:
+    cell: An instantiated Lingvo layer.
+    inputs: Its FProp inputs: numpy arrays, None or nests of them.
+    optimizer_fn: Returns a TF1 optimizer (e.g. the task's); None: no update
+      is timed and slots are 0.
+    num_warmup: Untimed runs of each part.
+    num_runs: Timed runs of each part.
+
+  Returns:
+    The `CellRun`.
+  """
+  graph = tf.Graph()
+  with graph.as_default():
+    py_utils.GetOrCreateGlobalStepVar()
+    layer = cell.params.Copy().Instantiate()
+    flat_inputs = tf.nest.flatten(inputs)
+    placeholders = [
+        None if x is None else tf.compat.v1.placeholder(
+            tf.as_dtype(np.asarray(x).dtype), np.shape(x)) for x in flat_inputs
+    ]
+    feed = {p: x for p, x in zip(placeholders, flat_inputs) if p is not None}
+    args = tf.nest.pack_sequence_as(inputs, placeholders)
+    before = len(graph.get_operations())
+    outputs = layer.FProp(layer.theta, *args)
+    forward_ops = graph.get_operations()[before:]
+    flat_outputs = tf.nest.flatten(outputs)
+    fetched = [y for y in flat_outputs if y is not None]
+    floats = [y for y in fetched if y.dtype.is_floating]
+    # Upstream gradients are fed (small values, so that repeated updates keep
+    # the weights finite; fed, so that no constant folds the backward away).
+    upstream = [tf.compat.v1.placeholder(y.dtype, y.shape) for y in floats]
+    variables = layer.vars.Flatten()
+    trainable = [v for v in variables if v.trainable]
+    float_inputs = [p for p in placeholders
+                    if p is not None and p.dtype.is_floating]
+    before = len(graph.get_operations())
+    grads = (tf.gradients(floats, trainable + float_inputs, grad_ys=upstream)
+             if floats else [])
+    backward_ops = graph.get_operations()[before:]
+    kept = KeptTensors(forward_ops, backward_ops,
+                       [p for p in placeholders if p is not None])
+    weight_grads = [(g, v) for g, v in zip(grads, trainable) if g is not None]
+    forward_step = _Targets(fetched)
+    backward_step = _Targets(fetched + [g for g in grads if g is not None])
+    update_step, slot_bytes = None, 0.0
+    if optimizer_fn is not None and weight_grads:
+      # The update on fed gradients: timed alone, not as a difference.
+      fed_grads = [(tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape), v)
+                   for _, v in weight_grads]
+      feed.update({g: np.full(v.shape.as_list(), UPSTREAM_GRADIENT,
+                              v.dtype.base_dtype.as_numpy_dtype)
+                   for g, v in fed_grads})
+      optimizer = optimizer_fn()
+      update_step = optimizer.apply_gradients(fed_grads)
+      slots = [optimizer.get_slot(v, name) for _, v in weight_grads
+               for name in optimizer.get_slot_names()]
+      slot_bytes = sum(_Bytes(s.shape.as_list(), s.dtype.base_dtype)
+                       for s in slots if s is not None)
+    kept_shapes = [tf.shape(t) for t in kept]
+    nothing = tf.no_op()
+    with tf.compat.v1.Session(graph=graph) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      values = sess.run(fetched, feed_dict=feed)
+      feed.update({
+          p: np.full(np.shape(y), UPSTREAM_GRADIENT, y.dtype)
+          for p, y in zip(upstream, [v for v, t in zip(values, fetched)
+                                     if t.dtype.is_floating])
+      })
+      shapes = sess.run(kept_shapes, feed_dict=feed)
+      # The first is a run that does nothing with the same feeds: the cost
+      # of a session call, which a real step pays once, not once per cell.
+      steps = [nothing, forward_step, backward_step]
+      if update_step is not None:
+        steps.append(update_step)
+      fastest = _InterleavedFastest(
+          [lambda step=step: sess.run(step, feed_dict=feed) for step in steps],
+          num_warmup, num_runs)
+      work = [max(t - fastest[0], 0.0) for t in fastest[1:]]
+      forward_s, both_s = work[:2]
+      update_s = work[2] if update_step is not None else 0.0
+      run_metadata = tf.compat.v1.RunMetadata()
+      sess.run(backward_step, feed_dict=feed,
+               options=tf.compat.v1.RunOptions(
+                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+               run_metadata=run_metadata)
+      step_peak = AllocationPeak(run_metadata.step_stats)
+  values = iter(values)
+  numpy_outputs = [None if y is None else next(values) for y in flat_outputs]
+  output_bytes = sum(float(np.asarray(y).nbytes) for y in numpy_outputs
+                     if y is not None)
+  kept_bytes = sum(_Bytes(s, t.dtype) for s, t in zip(shapes, kept))
+  gradient_bytes = sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
+                       for v in trainable)
+  return CellRun(
+      forward_s=forward_s,
+      backward_s=max(both_s - forward_s, 0.0),
+      update_s=update_s,
+      workspace_bytes=max(step_peak - kept_bytes - gradient_bytes, 0.0),
+      kept_bytes=kept_bytes,
+      output_bytes=output_bytes,
+      weight_bytes=sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
+                       for v in variables),
+      gradient_bytes=gradient_bytes,
+      slot_bytes=slot_bytes,
+      outputs=tf.nest.pack_sequence_as(outputs, numpy_outputs))
+
+
+def AllocationPeak(step_stats: Any) -> float:
+  """The most bytes a traced run's kernels held at once (all devices).
+
+  Replays the allocation records that step stats keep per node (FULL_TRACE):
+  allocations positive, releases negative, in time order. Variables and
+  what earlier runs left are not in them.
+
+  Args:
+    step_stats: `RunMetadata.step_stats`.
+
+  Returns:
+    Bytes.
+  """
+  records = sorted(
+      (r.alloc_micros, r.alloc_bytes) for d in step_stats.dev_stats
+      for node in d.node_stats for m in node.memory
+      for r in m.allocation_records)
+  held = peak = 0
+  for _, size in records:
+    held += size
+    peak = max(peak, held)
+  return float(peak)
+
+
+def SliceBatch(inputs: Any, batch_dim: int, size: int) -> Any:
+  """The first `size` examples of every array in `inputs` (None kept).
+
+  Args:
+    inputs: Numpy arrays (or None) in any nest.
+    batch_dim: Their batch dimension.
+    size: Examples to keep.
+
+  Returns:
+    The same nest, arrays cut along batch_dim.
+
+  Raises:
+    ValueError: if an array has fewer than `size` examples or no batch_dim.
+  """
+
+  def Cut(x):
+    if x is None:
+      return None
+    x = np.asarray(x)
+    if x.ndim <= batch_dim or x.shape[batch_dim] < size:
+      raise ValueError(f'an input of shape {list(x.shape)} has no {size} '
+                       f'examples along batch_dim={batch_dim}.')
+    return np.take(x, np.arange(size), axis=batch_dim)
+
+  return tf.nest.map_structure(Cut, inputs)
+
+
+def ProfileCells(cells: Sequence[base_layer.BaseLayer],
+                 sample_inputs: Any,
+                 batch_dim: int,
+                 micro_batch_sizes: Sequence[int],
+                 optimizer_fn: Optional[Callable[[], Any]] = None,
+                 num_warmup: int = PROFILE_WARMUP_RUNS,
+                 num_runs: int = PROFILE_TIMED_RUNS
+                ) -> Tuple[List[planner.CellProfile], Any]:
+  """What the planner needs of each cell (`planner.CellProfile`).
+
+  Every cell is profiled (`ProfileCell`) on micro-batches of each size in
+  `micro_batch_sizes` (the first examples of `sample_inputs`), cell i + 1 on
+  cell i's outputs. Times are fitted as fixed + per-example cost
+  (`planner.Affine.Fit`); bytes are taken per example on the largest size;
+  the update time is the median over the sizes (it does not depend on them).
+
+  Args:
+    cells: Instantiated Lingvo layers, in order.
+    sample_inputs: The first cell's FProp inputs (numpy arrays, None or
+      nests) with at least max(micro_batch_sizes) examples along batch_dim.
+    batch_dim: The batch dimension of every input and output.
+    micro_batch_sizes: One or more positive example counts.
+    optimizer_fn: Returns the TF1 optimizer whose update and slots to
+      measure; None for none.
+    num_warmup: Untimed runs of each part.
+    num_runs: Timed runs of each part (>= 1).
+
+  Returns:
+    (one CellProfile per cell, the last cell's outputs on the largest size).
+
+  Raises:
+    ValueError: on bad sizes, runs, or inputs without enough examples.
+  """
+  _CheckCells(cells)
+  sizes = sorted(set(int(n) for n in micro_batch_sizes))
+  if not sizes or sizes[0] < 1:
+    raise ValueError(f'micro_batch_sizes={list(micro_batch_sizes)} must be '
+                     'positive ints.')
+  if num_runs < 1 or num_warmup < 0:
+    raise ValueError(f'num_runs={num_runs} must be >= 1 and num_warmup='
+                     f'{num_warmup} >= 0.')
+  runs = collections.defaultdict(list)
+  outputs = None
+  for size in sizes:
+    inputs = _AsTuple(SliceBatch(_AsTuple(sample_inputs), batch_dim, size))
+    for i, cell in enumerate(cells):
+      run = ProfileCell(cell, inputs, optimizer_fn, num_warmup, num_runs)
+      runs[i].append(run)
+      inputs = _AsTuple(run.outputs)
+    outputs = inputs
+  largest = sizes[-1]
+  profiles = []
+  for i, cell in enumerate(cells):
+    cell_runs = runs[i]
+    last = cell_runs[-1]
+    profiles.append(planner.CellProfile(
+        name=cell.params.name,
+        forward_s=planner.Affine.Fit(sizes, [r.forward_s for r in cell_runs]),
+        backward_s=planner.Affine.Fit(sizes,
+                                      [r.backward_s for r in cell_runs]),
+        update_s=float(np.median([r.update_s for r in cell_runs])),
+        activation_bytes=last.kept_bytes / largest,
+        workspace_bytes=last.workspace_bytes / largest,
+        output_bytes=last.output_bytes / largest,
+        weight_bytes=last.weight_bytes,
+        gradient_bytes=last.gradient_bytes,
+        slot_bytes=last.slot_bytes))
+  return profiles, outputs

@@ -68,6 +68,26 @@ RUNS = {
     'simulate_bad_remat': ['simulate', '--forward_costs=1',
                            '--num_micro_batches=2', '--remat=sometimes'],
     'timeline_no_k': ['timeline', '--num_micro_batches=2'],
+    # The planner on registered models: profile, search, verify the best.
+    'auto_lm': [
+        'auto', '--model=lm.GPipeCharLmTiny', '--num_devices=2',
+        '--memory_per_device=64MiB', '--verify=1', '--verify_steps=2',
+        '--top=5', '--json_out={tmp}/auto_lm.json'
+    ],
+    'auto_fc': [
+        'auto', '--model=benchmarks.fc_model.FcStackTiny', '--num_devices=2',
+        '--memory_per_device=20KiB', '--baselines',
+        '--json_out={tmp}/auto_fc.json', '--profile_out={tmp}/fc_prof.json'
+    ],
+    'auto_nothing_fits': [
+        'auto', '--model=benchmarks.fc_model.FcStackTiny', '--num_devices=2',
+        '--memory_per_device=1KiB', '--json_out={tmp}/auto_none.json'
+    ],
+    'auto_bad_memory': [
+        'auto', '--model=lm.GPipeCharLmTiny', '--num_devices=2',
+        '--memory_per_device=lots'
+    ],
+    'auto_no_model': ['auto', '--num_devices=2', '--memory_per_device=1GiB'],
 }
 
 
@@ -128,12 +148,15 @@ def testTransformerExample(runs):
     ('bad_costs', "--costs=1,x,3: 'x' is not a finite non-negative number"),
     ('bad_float', '--memory_limit=abc'),
     ('bad_subcommand', "subcommand 'plot' is not valid; use one of "
-     "['partition', 'simulate', 'timeline']"),
+     "['auto', 'partition', 'simulate', 'timeline']"),
     ('simulate_no_m', '--num_micro_batches (M) is required'),
     ('simulate_mismatch', '--forward_costs has 2 entries but there are 3 '
      'chunks (K x --virtual_stages)'),
     ('simulate_bad_remat', '--remat'),
     ('timeline_no_k', '--num_stages (K) is required'),
+    ('auto_bad_memory', '--memory_per_device=lots: give a positive number of '
+     "bytes, optionally with a unit of ['B', 'KiB', 'MiB', 'GiB']"),
+    ('auto_no_model', '--model is required'),
 ])
 def testErrors(runs, name, message):
   code, stdout, stderr = runs[name]
@@ -298,3 +321,91 @@ def testTimelineOfTheLoopEngine(runs, name, engine, order):
 
 def _Cpu(k):
   return f'/job:localhost/replica:0/task:0/device:CPU:{k}'
+
+
+_CANDIDATE_KEYS = ('num_stages', 'num_micro_batches', 'schedule',
+                   'virtual_stages', 'remat', 'partition', 'replicas',
+                   'predicted_step_s', 'predicted_peak_bytes', 'fits',
+                   'measured_step_s', 'measured_peak_bytes')
+
+
+def _Ranked(candidates):
+  """Whether fitting candidates come first by step, the others by peak."""
+  keys = [(0, c['predicted_step_s']) if c['fits'] else
+          (1, c['predicted_peak_bytes']) for c in candidates]
+  return keys == sorted(keys)
+
+
+def testAutoVerifiesTheBest(runs):
+  code, stdout, stderr = runs['auto_lm']
+  assert code == 0, stderr
+  with open(os.path.join(runs['tmp'], 'auto_lm.json')) as f:
+    numbers = json.load(f)
+  candidates = numbers['candidates']
+  assert numbers['chosen'] == 0 and numbers['num_devices'] == 2
+  assert numbers['memory_per_device'] == 64 * 2**20
+  for c in candidates:
+    assert set(_CANDIDATE_KEYS) <= set(c), c
+    assert c['num_stages'] * c['replicas'] == 2
+    assert sum(c['partition']) == 4  # Embedding, 2 layers, softmax.
+    assert len(c['partition']) == c['num_stages'] * c['virtual_stages']
+    assert c['fits'] == (c['predicted_peak_bytes'] <= 64 * 2**20)
+  assert _Ranked(candidates)
+  # K=1 (R=2, 4 examples each): M in {1, 2, 4}; K=2 (R=1): M in {1, 2, 4,
+  # 8} and v in {1, 2}; 3 remat modes each.
+  assert len(candidates) == 3 * (3 + 4 * 2)
+  best = candidates[0]
+  assert best['measured_step_s'] > 0 and best['measured_peak_bytes'] > 0
+  assert all(c['measured_step_s'] is None for c in candidates[1:])
+  assert len(best['measured_device_peak_bytes']) == best['num_stages']
+  assert f"task.stack.num_micro_batches: {best['num_micro_batches']}" in (
+      numbers['overrides'])
+  assert 'Chosen: K=' in stdout and 'Select it with:' in stdout
+  assert "--model_params_override='task.stack.num_stages: " in stdout
+  assert 'Verifying 1 configuration(s)' in stdout
+  assert re.search(r'^#0 .* device 0: peak predicted', stdout,
+                   re.MULTILINE | re.DOTALL)
+
+
+def testAutoRanksEveryCandidateAndBaselines(runs):
+  code, stdout, stderr = runs['auto_fc']
+  assert code == 0, stderr
+  with open(os.path.join(runs['tmp'], 'auto_fc.json')) as f:
+    numbers = json.load(f)
+  candidates = numbers['candidates']
+  assert _Ranked(candidates)
+  assert numbers['chosen'] == 0 and candidates[0]['fits']
+  assert any(not c['fits'] for c in candidates)  # 20 KiB is tight.
+  assert all(c['measured_step_s'] is None for c in candidates)
+  labels = [b['label'] for b in numbers['baselines']]
+  assert labels[0] == 'defaults'
+  defaults = numbers['baselines'][0]
+  assert (defaults['num_stages'], defaults['num_micro_batches'],
+          defaults['remat'], defaults['partition']) == (2, 1, 'always',
+                                                        [2, 2])
+  assert 'Baselines (predicted):' in stdout
+  # The profile is reusable: --profile_in gives the same ranking.
+  with open(os.path.join(runs['tmp'], 'fc_prof.json')) as f:
+    profile = json.load(f)
+  assert [c['name'] for c in profile['cells']] == ['fc0', 'fc1', 'fc2', 'fc3']
+  assert profile['cells'][0]['weight_bytes'] == (16 * 16 + 16) * 4
+  assert profile['cells'][0]['slot_bytes'] == 2 * (16 * 16 + 16) * 4  # Adam.
+  assert profile['stack_path'] == 'task.stack'
+
+
+def testAutoNothingFits(runs):
+  code, stdout, stderr = runs['auto_nothing_fits']
+  assert code == 1, stderr
+  errors = [l for l in stderr.splitlines() if l.startswith('plan.py: auto:')]
+  assert len(errors) == 1, stderr
+  assert ('nothing fits memory_per_device=1024 (1.0 KiB): the smallest '
+          'predicted peak is') in errors[0]
+  assert 'dominated by' in errors[0]
+  assert 'Traceback' not in stderr
+  with open(os.path.join(runs['tmp'], 'auto_none.json')) as f:
+    numbers = json.load(f)
+  assert numbers['chosen'] is None and numbers['candidates']
+  assert not any(c['fits'] for c in numbers['candidates'])
+  smallest = min(c['predicted_peak_bytes'] for c in numbers['candidates'])
+  assert f'the smallest predicted peak is {smallest:.0f} bytes' in errors[0]
+  assert 'rank' in stdout  # The table is printed all the same.

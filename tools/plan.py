@@ -9,6 +9,8 @@
         --virtual_stages=2 --num_micro_batches=2
     python tools/plan.py timeline --num_stages=4 --num_micro_batches=8 \
         --png_out=/tmp/timeline.png --trace_out=/tmp/timeline.json
+    python tools/plan.py auto --model=lm.GPipeCharLm --num_devices=2 \
+        --memory_per_device=64MiB --verify=2 --json_out=/tmp/auto.json
 
 Subcommands (the first argument that is not a flag):
   partition  For each K, the stages chosen by `partition.PartitionCosts`
@@ -26,6 +28,15 @@ Subcommands (the first argument that is not a flag):
              trace shows them) and shows which chunk ran which micro-batch
              and phase when: a table, the simulator fed with the measured
              call times, and the same picture and trace as simulate.
+  auto       Chooses K, M, schedule, virtual stages, remat and partition of
+             a registered model for N devices of --memory_per_device bytes
+             (`planning.planner`): profiles every cell once (a worker
+             process, `benchmarks.plan_worker`), predicts the step time and
+             per-device peak of every configuration, prints them ranked,
+             why the winner won and the --model_params_override lines that
+             select it; --verify=V trains the V best for a few steps and
+             prints predicted against measured. Exit status 1 if nothing
+             fits.
 
 Pictures (--png_out) have one row per stage and a box per call phase
 (forward, recompute, backward), labelled with its micro-batch. Traces
@@ -49,13 +60,16 @@ if __name__ == '__main__':  # Run as a script: see tools/__init__.py.
       __file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import json
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
+from benchmarks import plan_worker
 from benchmarks import traced_step
 from lingvo_gpipe.planning import partition as partition_lib
+from lingvo_gpipe.planning import planner
 from lingvo_gpipe.planning import report
 from lingvo_gpipe.planning import schedule
 from lingvo_gpipe.planning import simulate
@@ -156,11 +170,79 @@ flags.DEFINE_string(
     'trace_out', None, 'simulate, timeline: optional path of a Chrome trace '
     '(JSON) of the step, for https://ui.perfetto.dev or chrome://tracing.')
 
+flags.DEFINE_string(
+    'model', None, 'auto: a registered Lingvo model whose task has a '
+    'GPipeSequentialLayer, e.g. lm.GPipeCharLm or '
+    'benchmarks.fc_model.FcStack (required).')
+flags.DEFINE_integer(
+    'num_devices', None, 'auto: N, the devices to use (required). Each '
+    'configuration is a pipeline of K devices (K divides N) and R = N / K '
+    'data-parallel replicas.', lower_bound=1)
+flags.DEFINE_string(
+    'memory_per_device', None, 'auto: the memory of one device (required): '
+    'bytes, or a number with a unit B, KiB, MiB or GiB (e.g. 512MiB). A '
+    "configuration fits if its predicted peak on each device is at most "
+    'this.')
+flags.DEFINE_integer(
+    'batch_size', None, 'auto: B, the examples of one training step over '
+    "all replicas. Default: the model's input batch_size. Each replica "
+    'trains on B / R examples.', lower_bound=1)
+flags.DEFINE_integer(
+    'verify', 0, 'auto: train the V best configurations a few steps each (a '
+    'fresh worker process each, on N logical CPU devices) and print their '
+    'measured step time and per-device peak next to the predicted ones.',
+    lower_bound=0)
+flags.DEFINE_integer(
+    'verify_steps', 10, 'auto: timed training steps per verified '
+    'configuration, after 3 untimed ones. The fastest is compared with the '
+    'prediction (the profile takes the fastest runs too: on a shared machine '
+    'they are the least slowed by other processes); the JSON has the median '
+    'too.', lower_bound=1)
+flags.DEFINE_list(
+    'schedules', None, 'auto: schedules to consider (default: every '
+    f'schedule of the tables, now {list(schedule.SCHEDULES)}).')
+flags.DEFINE_list(
+    'remat_modes', list(schedule.REMAT_MODES), 'auto: remat modes to '
+    'consider.')
+flags.DEFINE_integer(
+    'max_micro_batches', None, 'auto: the largest M to consider (default: '
+    "every divisor of a replica's batch).", lower_bound=1)
+flags.DEFINE_integer(
+    'max_virtual_stages', None, 'auto: the largest v to consider (default: '
+    'as many as the cells allow).', lower_bound=1)
+flags.DEFINE_integer(
+    'top', 20, 'auto: ranked configurations to print (every one is in '
+    '--json_out).', lower_bound=1)
+flags.DEFINE_integer(
+    'intra_op_threads', 1, 'auto: threads of one TensorFlow op in the '
+    'profile and verification workers. 1 makes each logical CPU device act '
+    'as one core, so that stages overlap as they would on separate devices.',
+    lower_bound=1)
+flags.DEFINE_string(
+    'profile_out', None, 'auto: write the model profile (JSON) there, to '
+    'plan again without profiling (--profile_in).')
+flags.DEFINE_string(
+    'profile_in', None, 'auto: read the profile from this file (written by '
+    '--profile_out for the same --model, --num_devices and --batch_size) '
+    'instead of profiling.')
+flags.DEFINE_bool(
+    'baselines', False, 'auto: also predict (and with --verify, measure) '
+    'the defaults (K = N, uniform partition, M = 1, remat always) and '
+    "Lingvo's heuristic partition for the chosen K, M and remat.")
+
 _DEFAULT_EXAMPLE_STAGES = (4, 8)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_UNITS = {'B': 1, 'KiB': 2**10, 'MiB': 2**20, 'GiB': 2**30}
+# Untimed steps of a verified configuration before the timed ones.
+_VERIFY_WARMUPS = 3
 
 
 class PlanError(ValueError):
   """A bad flag or argument; main prints it on one line and exits with 2."""
+
+
+class NothingFits(Exception):
+  """No configuration fits the memory; main prints why and exits with 1."""
 
 
 def TransformerExample() -> Tuple[List[float], List[str]]:
@@ -537,14 +619,287 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   }
 
 
+def ParseBytes(flag: str, text: Optional[str]) -> float:
+  """'512MiB' -> 536870912.0; PlanError naming the flag unless valid."""
+  if text is None:
+    raise PlanError(f'--{flag} is required, e.g. --{flag}=512MiB.')
+  value = text.strip()
+  unit = 'B'
+  for name in _UNITS:
+    if value.endswith(name) and name != 'B':
+      value, unit = value[:-len(name)], name
+      break
+  else:
+    if value.endswith('B'):
+      value = value[:-1]
+  try:
+    number = float(value)
+  except ValueError:
+    number = math.nan
+  if not math.isfinite(number) or number <= 0:
+    raise PlanError(f'--{flag}={text}: give a positive number of bytes, '
+                    f'optionally with a unit of {list(_UNITS)} (e.g. 512MiB).')
+  return number * _UNITS[unit]
+
+
+def _LoadProfile() -> Tuple[planner.Profile, Dict[str, Any]]:
+  """The profile: from --profile_in, or measured in a worker."""
+  if FLAGS.profile_in:
+    try:
+      with open(FLAGS.profile_in) as f:
+        raw = json.load(f)
+      profile = planner.Profile.FromJson(raw)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise PlanError(f'--profile_in={FLAGS.profile_in}: cannot read a '
+                      f'profile ({type(e).__name__}: {e}).') from e
+    if raw.get('model') != FLAGS.model:
+      raise PlanError(f'--profile_in={FLAGS.profile_in} profiles '
+                      f'{raw.get("model")!r}, not --model={FLAGS.model!r}.')
+    if FLAGS.batch_size and profile.batch_size != FLAGS.batch_size:
+      raise PlanError(f'--profile_in={FLAGS.profile_in} was made with batch '
+                      f'size {profile.batch_size}, not --batch_size='
+                      f'{FLAGS.batch_size}.')
+    return profile, raw
+  config = {
+      'action': 'profile',
+      'model': FLAGS.model,
+      'batch_size': FLAGS.batch_size,
+      'intra_op_threads': FLAGS.intra_op_threads,
+  }
+  config['num_devices'] = FLAGS.num_devices
+  print(f'Profiling {FLAGS.model} (a worker process: every cell on two '
+        'micro-batch sizes, and the task around the pipeline) ...',
+        flush=True)
+  try:
+    raw = plan_worker.RunWorker(config, _ROOT)
+  except plan_worker.WorkerError as e:
+    raise PlanError(str(e)) from e
+  if FLAGS.profile_out:
+    with open(FLAGS.profile_out, 'w') as f:
+      json.dump(raw, f, indent=2)
+    print(f'Wrote {FLAGS.profile_out}')
+  return planner.Profile.FromJson(raw), raw
+
+
+def _CheckAutoFlags() -> None:
+  if not FLAGS.model:
+    raise PlanError('--model is required, e.g. --model=lm.GPipeCharLm.')
+  if FLAGS.num_devices is None:
+    raise PlanError('--num_devices (N) is required, e.g. --num_devices=2.')
+  for name in FLAGS.schedules or []:
+    if name not in schedule.SCHEDULES:
+      raise PlanError(f'--schedules={",".join(FLAGS.schedules)}: {name!r} is '
+                      f'not a schedule; use some of {list(schedule.SCHEDULES)}.')
+  for remat in FLAGS.remat_modes:
+    if remat not in schedule.REMAT_MODES:
+      raise PlanError(f'--remat_modes={",".join(FLAGS.remat_modes)}: '
+                      f'{remat!r} is not a remat mode; use some of '
+                      f'{list(schedule.REMAT_MODES)}.')
+
+
+def _Measure(profile: planner.Profile, candidate: planner.Candidate,
+             num_devices: int) -> Dict[str, Any]:
+  """Trains `candidate` a few steps in a worker; fills its measured fields."""
+  config = {
+      'action': 'measure',
+      'model': profile.model,
+      'overrides': '; '.join(planner.OverrideLines(profile, candidate)),
+      'num_devices': num_devices,
+      'split_size': candidate.num_stages,
+      'warmups': _VERIFY_WARMUPS,
+      'steps': FLAGS.verify_steps,
+      'intra_op_threads': FLAGS.intra_op_threads,
+  }
+  try:
+    measured = plan_worker.RunWorker(config, _ROOT)
+  except plan_worker.WorkerError as e:
+    raise PlanError(f'verifying {candidate.Describe()}: {e}') from e
+  # Device j of the machine is device j mod K of its replica's pipeline.
+  per_stage = [0.0] * candidate.num_stages
+  for j, size in enumerate(measured['device_peak_bytes']):
+    k = j % candidate.num_stages
+    per_stage[k] = max(per_stage[k], size)
+  candidate.measured_step_s = measured['step_s']
+  candidate.measured_median_step_s = measured['median_step_s']
+  candidate.measured_device_peak_bytes = per_stage
+  candidate.measured_peak_bytes = max(per_stage)
+  return measured
+
+
+def _VerifyTable(candidates: Sequence[planner.Candidate],
+                 labels: Sequence[str], budget: float) -> str:
+  """Predicted against measured, one line per candidate and per device."""
+  lines = [f'{"":<10} {"configuration":<44} {"step ms pred":>12} '
+           f'{"meas":>8} {"ratio":>6}  {"peak pred":>10} {"meas":>10} '
+           f'{"ratio":>6}  fits (meas)']
+  for label, c in zip(labels, candidates):
+    if c.measured_step_s is None:
+      continue
+    fits = 'yes' if c.measured_peak_bytes <= budget else 'NO'
+    lines.append(
+        f'{label:<10} {c.Describe():<44} {c.predicted_step_s * 1e3:>12.2f} '
+        f'{c.measured_step_s * 1e3:>8.2f} '
+        f'{c.measured_step_s / c.predicted_step_s:>6.2f}  '
+        f'{planner.FormatBytes(c.predicted_peak_bytes):>10} '
+        f'{planner.FormatBytes(c.measured_peak_bytes):>10} '
+        f'{c.measured_peak_bytes / c.predicted_peak_bytes:>6.2f}  {fits}')
+    for k, (pred, meas) in enumerate(zip(c.device_peak_bytes,
+                                         c.measured_device_peak_bytes)):
+      lines.append(f'{"":<10}   device {k}: peak predicted '
+                   f'{planner.FormatBytes(pred)}, measured '
+                   f'{planner.FormatBytes(meas)} ({meas / pred:.2f})')
+  return '\n'.join(lines)
+
+
+def _Baselines(profile: planner.Profile, best: Optional[planner.Candidate],
+               num_devices: int, budget: float,
+               schedule_name: str) -> List[Tuple[str, planner.Candidate]]:
+  """The defaults and Lingvo's heuristic partition, predicted."""
+  baselines = []
+  num_stages = min(num_devices, profile.num_cells)
+  while num_devices % num_stages:
+    num_stages -= 1
+  replicas = num_devices // num_stages
+  defaults = planner.Predict(
+      profile, num_stages, 1, 'always',
+      partition_lib.UniformPartition(profile.num_cells, num_stages),
+      replicas, schedule_name, 1, budget, 'uniform')
+  baselines.append(('defaults', defaults))
+  if best is not None:
+    micro = planner.MicroBatchSize(profile.batch_size, best.replicas,
+                                   best.num_micro_batches)
+    costs = [c.forward_s(micro) + c.backward_s(micro) for c in profile.cells]
+    lingvo = partition_lib.LingvoPartition(
+        costs, best.num_stages * best.virtual_stages)
+    if 0 in lingvo:
+      print(f"Lingvo's heuristic partition for {best.Describe()} is {lingvo}, "
+            'with an empty stage: it cannot run.')
+    else:
+      baselines.append(('lingvo', planner.Predict(
+          profile, best.num_stages, best.num_micro_batches, best.remat,
+          lingvo, best.replicas, best.schedule, best.virtual_stages, budget,
+          'lingvo_heuristic')))
+  return baselines
+
+
+def Auto(args: Sequence[str]) -> Dict[str, Any]:
+  """The `auto` subcommand: plans a registered model; returns the numbers.
+
+  Args:
+    args: Positional arguments after the subcommand (must be empty).
+
+  Returns:
+    A JSON-ready dict: {"candidates": [...], "chosen": index, ...}.
+
+  Raises:
+    PlanError: on bad flags or a failed worker.
+    NothingFits: if no configuration fits (after writing --json_out).
+  """
+  if args:
+    raise PlanError(f'auto takes no positional arguments, got {args}.')
+  _CheckAutoFlags()
+  budget = ParseBytes('memory_per_device', FLAGS.memory_per_device)
+  num_devices = FLAGS.num_devices
+  profile, raw = _LoadProfile()
+  print(f'{profile.model}: {profile.num_cells} cells '
+        f'({", ".join(c.name for c in profile.cells)}), batch '
+        f'{profile.batch_size}, {num_devices} devices of '
+        f'{planner.FormatBytes(budget)}; cells profiled on micro-batches of '
+        f'{list(profile.profiled_sizes)}.')
+  try:
+    result = planner.Search(profile, num_devices, budget, FLAGS.schedules,
+                            FLAGS.remat_modes, FLAGS.max_micro_batches,
+                            FLAGS.max_virtual_stages)
+  except ValueError as e:
+    raise PlanError(str(e)) from e
+  print(planner.FormatTable(result, FLAGS.top))
+  for line in result.skipped:
+    print(f'not searched: {line}')
+  numbers = {
+      'subcommand': 'auto',
+      'model': profile.model,
+      'num_devices': num_devices,
+      'memory_per_device': budget,
+      'batch_size': profile.batch_size,
+      'candidates': result.candidates,
+      'chosen': result.chosen,
+      'skipped': result.skipped,
+      'reason': planner.Reason(result),
+      'overrides': None,
+      'baselines': [],
+      'profile': raw,
+  }
+  best = (result.candidates[result.chosen] if result.chosen is not None
+          else None)
+  verified = []
+  if best is not None:
+    overrides = planner.OverrideLines(profile, best)
+    numbers['overrides'] = overrides
+    print(f'\nChosen: {numbers["reason"]}')
+    print('Select it with:')
+    print(f"  --model_params_override='{'; '.join(overrides)}'")
+    print(f'  python tools/train.py --model={profile.model} '
+          f'--num_devices={num_devices} --split_size={best.num_stages} '
+          f"--model_params_override='{'; '.join(overrides)}' --logdir=...")
+    verified = [(f'#{i}', c) for i, c in
+                enumerate(result.candidates[:FLAGS.verify])]
+  elif FLAGS.verify:
+    print('Nothing fits: nothing to verify.')
+  if FLAGS.baselines:
+    usable = [c.schedule for c in result.candidates] or ['gpipe']
+    baselines = _Baselines(profile, best, num_devices, budget, usable[0])
+    print('\nBaselines (predicted):')
+    for label, c in baselines:
+      print(f'  {label:<9} {c.Describe()}: step '
+            f'{c.predicted_step_s * 1e3:.2f} ms, peak '
+            f'{planner.FormatBytes(c.predicted_peak_bytes)}'
+            f'{"" if c.fits else " (over budget)"}')
+    numbers['baselines'] = [dict(label=label, **c.ToJson())
+                            for label, c in baselines]
+    if FLAGS.verify:
+      verified += baselines
+  if verified:
+    print(f'\nVerifying {len(verified)} configuration(s), each '
+          f'{_VERIFY_WARMUPS} + {FLAGS.verify_steps} training steps in a '
+          'fresh worker ...', flush=True)
+    for label, c in verified:
+      _Measure(profile, c, num_devices)
+      print(f'  {label}: {c.Describe()}: step '
+            f'{c.measured_step_s * 1e3:.2f} ms, peak '
+            f'{planner.FormatBytes(c.measured_peak_bytes)}', flush=True)
+    print(_VerifyTable([c for _, c in verified], [l for l, _ in verified],
+                       budget))
+    if FLAGS.baselines:
+      numbers['baselines'] = [dict(label=label, **c.ToJson())
+                              for label, c in verified
+                              if not label.startswith('#')]
+    if best is not None and best.measured_peak_bytes > budget:
+      print(f'warning: the chosen configuration measured '
+            f'{planner.FormatBytes(best.measured_peak_bytes)}, over the '
+            f'budget of {planner.FormatBytes(budget)}.')
+  numbers['candidates'] = [c.ToJson() for c in result.candidates]
+  if best is None:
+    if FLAGS.json_out:
+      with open(FLAGS.json_out, 'w') as f:
+        json.dump(numbers, f, indent=2)
+      print(f'Wrote {FLAGS.json_out}')
+    raise NothingFits(planner.NothingFits(result))
+  return numbers
+
+
 # Subcommand name -> function(positional args) -> JSON-ready dict.
 SUBCOMMANDS: Dict[str, Callable[[Sequence[str]], Dict[str, Any]]] = {
     'partition': Partition,
     'simulate': Simulate,
     'timeline': Timeline,
+    'auto': Auto,
 }
 
 
 if __name__ == '__main__':
-  cli.Run('plan.py', SUBCOMMANDS, (PlanError,),
-          'plan.py partition --costs=1,4,4,8 --num_stages=2')
+  try:
+    cli.Run('plan.py', SUBCOMMANDS, (PlanError,),
+            'plan.py partition --costs=1,4,4,8 --num_stages=2')
+  except NothingFits as e:
+    print(f'plan.py: auto: {e}', file=sys.stderr)
+    sys.exit(1)

@@ -52,6 +52,8 @@ class Simulation:
     peak_inputs: Per device, how many chunk inputs it holds at that peak.
     peak_activations: Per device, how many calls' full activations it holds
       at that peak.
+    peak_gradients: Per device, the weight-gradient memory it holds at that
+      peak (0 unless `gradient_memory` is given).
     events: Every phase of every call, by device, then by start.
     recomputes: {(chunk, micro_batch): whether its backward recomputes}.
   """
@@ -65,6 +67,7 @@ class Simulation:
   peak_activations: List[int]
   events: List[Event] = dataclasses.field(repr=False)
   recomputes: Dict[Tuple[int, int], bool] = dataclasses.field(repr=False)
+  peak_gradients: List[float] = dataclasses.field(default_factory=list)
 
 
 def StageOccupancy(events: Sequence[Event], num_stages: int) -> Occupancy:
@@ -125,9 +128,10 @@ def _CheckCosts(name: str, values: Sequence[float],
 
 
 def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
-           inputs: Sequence[float], activations: Sequence[float]
-          ) -> List[Tuple[float, int, int]]:
-  """Per device, (peak memory, inputs held, activations held) at its peak.
+           inputs: Sequence[float], activations: Sequence[float],
+           gradients: Sequence[float]
+          ) -> List[Tuple[float, int, int, float]]:
+  """Per device, (peak memory, inputs held, activations held, gradient memory).
 
   Walks each device's actions in table order (see `Simulate` for the model).
 
@@ -136,29 +140,40 @@ def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
     recomputes: From `schedule.RecomputedCalls`.
     inputs: Per chunk, the size of one micro-batch's input.
     activations: Per chunk, the size of one call's full activations.
+    gradients: Per chunk, the size of its weight gradients.
 
   Returns:
-    One triple per device.
+    One quadruple per device, at its peak.
   """
   peaks = []
   for order in table.device_orders:
     held_inputs = held_activations = 0
-    size = 0.0
-    peak = (0.0, 0, 0)
+    size = held_gradients = 0.0
+    summed = set()  # Chunks whose gradient sum exists.
+    peak = (0.0, 0, 0, 0.0)
     for phase, c, m in order:
       kept = not recomputes[c, m]
       if phase == schedule.FORWARD:
         held_inputs += 1
         size += inputs[c]
         # Running, the call holds its activations; a kept call keeps them.
-        candidate = (size + activations[c], held_inputs, held_activations + 1)
+        candidate = (size + activations[c], held_inputs, held_activations + 1,
+                     held_gradients)
         if kept:
           held_activations += 1
           size += activations[c]
       else:
         running = 0 if kept else 1
-        candidate = (size + running * activations[c], held_inputs,
-                     held_activations + running)
+        # The call's weight gradients; from the chunk's second backward on,
+        # next to the sum of the earlier ones.
+        fresh = gradients[c]
+        if c not in summed:
+          summed.add(c)
+          held_gradients += gradients[c]
+          size += gradients[c]
+          fresh = 0.0
+        candidate = (size + running * activations[c] + fresh, held_inputs,
+                     held_activations + running, held_gradients + fresh)
         held_inputs -= 1
         size -= inputs[c]
         if kept:
@@ -177,7 +192,8 @@ def Simulate(table: schedule.Table,
              input_memory: Optional[Sequence[float]] = None,
              activation_memory: Optional[Sequence[float]] = None,
              lockstep: bool = False,
-             tick_overhead: float = 0.0) -> Simulation:
+             tick_overhead: float = 0.0,
+             gradient_memory: Optional[Sequence[float]] = None) -> Simulation:
   """Times one training step of a schedule table from per-chunk costs.
 
   Each device runs its actions in table order, one at a time. Timing, two
@@ -197,8 +213,9 @@ def Simulate(table: schedule.Table,
   runs its forward again (a 'recompute' event of the forward cost), then its
   backward.
 
-  Memory model, per device, counting only micro-batch activations (not
-  weights, their gradients or the merged output): from its forward until its
+  Memory model, per device, counting micro-batch activations and, if given,
+  weight gradients (not weights, optimizer slots or the merged output; the
+  planner adds those, `planner.Predict`): from its forward until its
   backward ends a call keeps its chunk's input (`input_memory`). While a
   call's forward, recompute or backward runs, and for a call that does not
   recompute from its forward until its backward ends, the call also holds its
@@ -227,6 +244,8 @@ def Simulate(table: schedule.Table,
       activations (default 1 each).
     lockstep: Whether ticks run in lockstep (see above).
     tick_overhead: With lockstep, the cost of a tick beyond its work.
+    gradient_memory: Optional per-chunk sizes of the chunk's weight
+      gradients (default 0 each).
 
   Returns:
     A `Simulation`.
@@ -253,6 +272,8 @@ def Simulate(table: schedule.Table,
   activations = ([1.0] * num_chunks if activation_memory is None else
                  _CheckCosts('activation_memory', activation_memory,
                              num_chunks))
+  gradients = ([0.0] * num_chunks if gradient_memory is None else
+               _CheckCosts('gradient_memory', gradient_memory, num_chunks))
   recomputes = schedule.RecomputedCalls(table, remat)
 
   end = {}  # Action -> when it ended.
@@ -300,7 +321,7 @@ def Simulate(table: schedule.Table,
   forward_time = max(e.end for e in flat if e.phase == 'forward')
   busy = [sum(e.end - e.start for e in device_events)
           for device_events in events]
-  peaks = _Peaks(table, recomputes, inputs, activations)
+  peaks = _Peaks(table, recomputes, inputs, activations, gradients)
   return Simulation(
       table=table,
       step_time=step_time,
@@ -311,4 +332,5 @@ def Simulate(table: schedule.Table,
       peak_inputs=[p[1] for p in peaks],
       peak_activations=[p[2] for p in peaks],
       events=flat,
-      recomputes=recomputes)
+      recomputes=recomputes,
+      peak_gradients=[p[3] for p in peaks])

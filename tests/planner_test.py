@@ -1,0 +1,279 @@
+"""Tests of planning.planner (search, time and memory model), the gradient
+term of the simulator's memory model, and costs.ProfileCells."""
+
+import json
+
+from lingvo import compat as tf
+from lingvo.core import layers
+import numpy as np
+import pytest
+
+from lingvo_gpipe import costs
+from lingvo_gpipe.planning import planner
+from lingvo_gpipe.planning import schedule
+from lingvo_gpipe.planning import simulate
+
+Affine = planner.Affine
+
+
+def _Cell(name, forward=(1.0, 1.0), backward=(1.0, 2.0), update=0.0,
+          activation=0.0, output=0.0, weight=0.0, gradient=0.0, slot=0.0):
+  return planner.CellProfile(
+      name=name, forward_s=Affine(*forward), backward_s=Affine(*backward),
+      update_s=update, activation_bytes=activation, output_bytes=output,
+      weight_bytes=weight, gradient_bytes=gradient, slot_bytes=slot)
+
+
+def _Profile(cells, batch_size=4, **kwargs):
+  return planner.Profile(cells=tuple(cells), input_bytes=0.0,
+                         batch_size=batch_size, **kwargs)
+
+
+# Two cells; a call of one cell on n examples: forward 1 + n, backward
+# 1 + 2n (seconds); 100 bytes of weights each.
+TWO_CELLS = [_Cell('a', weight=100.0), _Cell('b', weight=100.0)]
+
+
+def testAffineFit():
+  assert Affine.Fit([2, 10], [3.0, 7.0]) == Affine(2.0, 0.5)
+  assert Affine.Fit([4], [8.0]) == Affine(0.0, 2.0)
+  # A negative fixed part (noise): proportional through the largest size.
+  assert Affine.Fit([2, 4], [1.0, 4.0]) == Affine(0.0, 1.0)
+  # A negative slope: constant at the mean.
+  assert Affine.Fit([2, 4], [3.0, 1.0]) == Affine(2.0, 0.0)
+  assert Affine(2.0, 0.5)(4) == 4.0
+  with pytest.raises(ValueError, match='positive'):
+    Affine.Fit([0, 2], [1.0, 2.0])
+
+
+def testGradientMemoryInTheTable():
+  # GPipe K=2 M=2, remat 'never'; chunk c: input 1, activations 100,
+  # gradients 10. Device 1 runs F1.0 F1.1 B1.1 B1.0: after both forwards it
+  # holds 2 inputs + 2 activations = 202; its first backward adds the
+  # gradient sum (10): 212. Its second backward holds one input and one
+  # activation (101), the sum and a fresh copy (20): 121.
+  table = schedule.BuildTable('gpipe', 2, 2)
+  sim = simulate.Simulate(table, [1.0, 1.0], [2.0, 2.0], 'never',
+                          input_memory=[1.0, 1.0],
+                          activation_memory=[100.0, 100.0],
+                          gradient_memory=[10.0, 10.0])
+  assert sim.peak_memory == [212.0, 212.0]
+  assert sim.peak_gradients == [10.0, 10.0]
+  assert sim.peak_inputs == [2, 2] and sim.peak_activations == [2, 2]
+  # 'always': two inputs, one running call's activations, then the sum and
+  # the fresh copy of the second backward: max(2 + 100 + 10, 1 + 100 + 20).
+  always = simulate.Simulate(table, [1.0, 1.0], [2.0, 2.0], 'always',
+                             input_memory=[1.0, 1.0],
+                             activation_memory=[100.0, 100.0],
+                             gradient_memory=[10.0, 10.0])
+  assert always.peak_memory == [121.0, 121.0]
+  assert always.peak_gradients == [20.0, 20.0]
+  # Without gradient memory the model is the one before.
+  plain = simulate.Simulate(table, [1.0, 1.0], [2.0, 2.0], 'never',
+                            input_memory=[1.0, 1.0],
+                            activation_memory=[100.0, 100.0])
+  assert plain.peak_memory == [202.0, 202.0]
+  assert plain.peak_gradients == [0.0, 0.0]
+  with pytest.raises(ValueError, match='gradient_memory'):
+    simulate.Simulate(table, [1.0, 1.0], [2.0, 2.0],
+                      gradient_memory=[1.0])
+
+
+def testPredictTimeAndMemoryByHand():
+  cells = [
+      _Cell('a', activation=10.0, output=3.0, weight=100.0, gradient=40.0,
+            slot=80.0, update=0.5),
+      _Cell('b', activation=20.0, output=5.0, weight=200.0, gradient=60.0,
+            slot=120.0, update=0.25),
+  ]
+  profile = _Profile(cells, batch_size=4, outside_s=Affine(0.1, 0.0),
+                     outside_bytes=Affine(0.0, 7.0), step_overhead_s=0.2)
+  profile = planner.Profile(**{**profile.__dict__, 'input_bytes': 2.0})
+  c = planner.Predict(profile, num_stages=2, num_micro_batches=2,
+                      remat='never', partition=[1, 1], memory_per_device=1e9)
+  # Micro-batches of 2: forward 3 s, backward 5 s per chunk. Forward ticks
+  # F0.0 [0, 3], F0.1 and F1.0 [3, 6], F1.1 [6, 9]; backward B1.1 [9, 14],
+  # B1.0 and B0.1 [14, 19], B0.0 [19, 24]. Then the work around the
+  # pipeline (0.1), the slower update (0.5) and the overhead (0.2).
+  assert c.step_terms == {'pipeline': 24.0, 'outside_pipeline': 0.1,
+                          'update': 0.5, 'overhead': 0.2}
+  assert c.predicted_step_s == pytest.approx(24.8)
+  # Device 0 (cell a) runs F0.0 F0.1 B0.1 B0.0. After both forwards: two
+  # inputs (2 examples x 2 bytes) and two calls' activations (2 x 10 x 2),
+  # 48; B0.1 adds the gradient sum (40): 88. B0.0 holds one input and one
+  # call's activations (24), the sum and its own fresh gradients (80): 104,
+  # the peak. Around it: weights 100, slots 80 and the work around the
+  # pipeline on 4 examples (7 x 4).
+  assert c.device_peak_bytes[0] == 100 + 80 + 80 + 4 + 20 + 28
+  # Device 1 (cell b): its inputs are a's outputs (3 x 2); at B1.0: one
+  # input (6), one call's activations (40) and 2 x 60 of gradients; the
+  # merged output of 4 examples (5 x 4).
+  assert c.device_peak_bytes[1] == 200 + 120 + 120 + 6 + 40 + 20
+  assert c.peak_device == 1
+  assert c.peak_terms == {'weights': 200, 'optimizer_slots': 120,
+                          'gradients': 120, 'stage_inputs': 6,
+                          'activations': 40, 'backward_workspace': 0,
+                          'outside_pipeline': 0, 'merged_output': 20}
+  assert c.predicted_peak_bytes == 506 and c.fits
+  assert c.engine == 'unrolled' and c.replicas == 1
+  assert not planner.Predict(profile, 2, 2, 'never', [1, 1],
+                             memory_per_device=505).fits
+
+
+def testBackwardWorkspace():
+  # A running backward needs its largest cell's workspace (per example, on
+  # the micro-batch): 5 x 2 bytes on device 0 next to its two inputs' worth
+  # of nothing and one call's activations.
+  cells = [_Cell('a', activation=10.0, weight=1.0),
+           _Cell('b', weight=1.0)]
+  cells[0] = planner.CellProfile(**{**cells[0].__dict__,
+                                    'workspace_bytes': 5.0})
+  c = planner.Predict(_Profile(cells), 2, 2, 'always', [1, 1])
+  assert c.device_peak_bytes[0] == 1 + 20 + 10
+  assert c.device_peak_bytes[1] == 1
+
+
+def testSearchFindsTheHandOptimum():
+  # Pure per-example costs plus 1 s per call: K=1 with R=2 replicas and one
+  # micro-batch of 2 examples costs 6 s forward + 10 s backward = 16 s, no
+  # recompute; K=2 (R=1) is at best 24 s (M=2, see above); recomputing
+  # costs 6 s more.
+  result = planner.Search(_Profile(TWO_CELLS), num_devices=2,
+                          memory_per_device=1e9)
+  best = result.candidates[result.chosen]
+  assert result.chosen == 0
+  assert (best.num_stages, best.replicas, best.num_micro_batches) == (1, 2, 1)
+  assert best.remat in ('except_last', 'never')  # The same at M=1.
+  assert best.predicted_step_s == 16.0
+  steps = [c.predicted_step_s for c in result.candidates]
+  assert steps == sorted(steps)  # All fit: ranked by step time.
+  # K in {1, 2}; M in the divisors of 2 (R=2) or 4 (R=1); v = 1 on one
+  # device, v in {1} for K=2 (2 cells); 3 remat modes.
+  assert len(result.candidates) == (2 + 3) * 3
+
+
+def testSearchUnderABudgetPicksTheFastestThatFits():
+  # 150 bytes per device: K=1 holds both cells' 200 bytes of weights.
+  result = planner.Search(_Profile(TWO_CELLS), 2, memory_per_device=150)
+  best = result.candidates[result.chosen]
+  assert (best.num_stages, best.num_micro_batches, best.remat) == (
+      2, 2, 'never')
+  assert best.predicted_step_s == 24.0
+  assert best.predicted_peak_bytes == 100.0
+  fits = [c.fits for c in result.candidates]
+  assert fits == sorted(fits, reverse=True)  # Those that fit come first.
+  assert not any(c.fits for c in result.candidates if c.num_stages == 1)
+  text = planner.Reason(result)
+  assert "K=2 v=1 M=2 R=1 gpipe remat='never' [1, 1]" in text
+  assert 'Faster but over budget: K=1' in text
+
+
+def testNothingFits():
+  result = planner.Search(_Profile(TWO_CELLS), 2, memory_per_device=50)
+  assert result.chosen is None
+  message = planner.NothingFits(result)
+  assert 'nothing fits memory_per_device=50' in message
+  assert 'the smallest predicted peak is 100 bytes' in message
+  assert 'dominated by weights: 100 B (100%)' in message
+  assert planner.Reason(result) == message
+
+
+def testMemoryLimitedPartition():
+  # Equal costs: the fastest partition is [2, 2], whose first stage holds
+  # 310 bytes of weights; under 305 the partitioner moves cells: [1, 3].
+  cells = [_Cell(f'c{i}', weight=w) for i, w in enumerate([300, 10, 10, 10])]
+  profile = _Profile(cells, batch_size=2)
+  free = planner.PlanPartition(profile, 2, 1, 'never', 1, 'gpipe', 1, None)
+  assert free.partition == [2, 2] and free.partition_rule == 'fastest'
+  limited = planner.PlanPartition(profile, 2, 1, 'never', 1, 'gpipe', 1, 305)
+  assert limited.partition == [1, 3]
+  assert limited.partition_rule == 'memory_limit'
+  assert limited.fits and limited.predicted_peak_bytes == 300
+
+
+def testSchedulesComeFromTheTables(monkeypatch):
+  # A schedule added to the tables is searched without planner code.
+  monkeypatch.setitem(schedule.SCHEDULES, 'copy', schedule.Schedule(
+      schedule.GPipeTable, False, 'GPipe under another name'))
+  result = planner.Search(_Profile(TWO_CELLS), 2, 1e9)
+  assert {c.schedule for c in result.candidates} == {'gpipe', 'copy'}
+  # One whose loss is inside the pipeline needs a last cell with the loss.
+  monkeypatch.setitem(schedule.SCHEDULES, 'inside', schedule.Schedule(
+      schedule.GPipeTable, True, 'needs the loss inside'))
+  result = planner.Search(_Profile(TWO_CELLS), 2, 1e9)
+  assert 'inside' not in {c.schedule for c in result.candidates}
+  assert ("schedule 'inside': needs the loss inside the pipeline; the last "
+          'cell does not compute the loss.') in result.skipped
+
+
+def testCandidateJson():
+  result = planner.Search(_Profile(TWO_CELLS), 2, 1e9)
+  row = json.loads(json.dumps(result.candidates[0].ToJson()))
+  for key in ('num_stages', 'num_micro_batches', 'schedule',
+              'virtual_stages', 'remat', 'partition', 'replicas',
+              'predicted_step_s', 'predicted_peak_bytes', 'fits',
+              'measured_step_s', 'measured_peak_bytes'):
+    assert key in row, key
+  assert row['measured_step_s'] is None
+  profile = _Profile(TWO_CELLS, outside_s=Affine(1.0, 2.0))
+  assert planner.Profile.FromJson(
+      json.loads(json.dumps(profile.ToJson()))) == profile
+
+
+def testOverrideLines():
+  profile = _Profile(TWO_CELLS, stack_path='task.stack',
+                     stack_settings={'num_stages': 4,
+                                     'micro_batch_size': None})
+  c = planner.Predict(profile, 2, 2, 'always', [1, 1])
+  assert planner.OverrideLines(profile, c) == [
+      'task.stack.num_stages: 2', 'task.stack.virtual_stages: 1',
+      'task.stack.num_micro_batches: 2', 'task.stack.schedule: gpipe',
+      'task.stack.remat: always', 'task.stack.partition: [1, 1]',
+      'input.batch_size: 4'
+  ]
+
+
+def testProfileSizes():
+  assert planner.ProfileSizes(32, 2) == ([4, 32], [16, 32])
+  assert planner.ProfileSizes(8, 4) == ([1, 8], [2, 4, 8])
+  with pytest.raises(ValueError, match='num_devices'):
+    planner.ProfileSizes(8, 0)
+
+
+def testBadSearchArguments():
+  with pytest.raises(ValueError, match='memory_per_device'):
+    planner.Search(_Profile(TWO_CELLS), 2, 0)
+  with pytest.raises(ValueError, match="schedule='nope'"):
+    planner.Search(_Profile(TWO_CELLS), 2, 1.0, schedules=['nope'])
+  with pytest.raises(ValueError, match='batch_size=4 does not split'):
+    planner.Predict(_Profile(TWO_CELLS), 1, 3, 'always', [2])
+
+
+def _FC(name, input_dim, output_dim, activation='RELU'):
+  return layers.FCLayer.Params().Set(name=name, input_dim=input_dim,
+                                     output_dim=output_dim,
+                                     activation=activation)
+
+
+def testProfileCellsSizes():
+  with tf.Graph().as_default():
+    cells = [_FC('a', 8, 16).Instantiate(),
+             _FC('b', 16, 4, 'NONE').Instantiate()]
+  sample = np.ones([8, 8], np.float32)
+  profiles, outputs = costs.ProfileCells(
+      cells, sample, batch_dim=0, micro_batch_sizes=[2, 8],
+      optimizer_fn=lambda: tf.compat.v1.train.AdamOptimizer(1e-3),
+      num_warmup=1, num_runs=2)
+  a, b = profiles
+  assert (a.name, b.name) == ('a', 'b')
+  # a's backward keeps its ReLU output (16 floats an example); b is linear:
+  # its backward needs only its input (held as a stage input) and weights.
+  assert a.activation_bytes == 16 * 4 and b.activation_bytes == 0
+  assert a.output_bytes == 16 * 4 and b.output_bytes == 4 * 4
+  assert a.weight_bytes == (8 * 16 + 16) * 4 == a.gradient_bytes
+  assert a.slot_bytes == 2 * a.weight_bytes  # Adam: m and v.
+  assert a.workspace_bytes >= 0 and b.workspace_bytes >= 0
+  assert b.weight_bytes == (16 * 4 + 4) * 4
+  assert np.shape(outputs[0]) == (8, 4)
+  for p in profiles:
+    assert p.forward_s(8) >= 0 and p.backward_s(8) >= 0 and p.update_s >= 0
