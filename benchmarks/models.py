@@ -41,6 +41,23 @@ def FcCells(num_layers: int, dim: int, he_init: bool = True) -> List[Any]:
   return cells
 
 
+def LossCell() -> Any:
+  """Params of a last cell that computes the loss: mean(x^2), a scalar."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo import compat as tf
+  from lingvo.core import base_layer
+  # pylint: enable=g-import-not-at-top
+
+  class MeanSquareLoss(base_layer.BaseLayer):
+    """The mean square of its input: the loss, inside the pipeline."""
+
+    def FProp(self, theta, x):
+      del theta
+      return tf.reduce_mean(tf.square(x))
+
+  return MeanSquareLoss.Params().Set(name='loss')
+
+
 def UniformSplit(num_cells: int, num_stages: int) -> List[int]:
   """Cells per stage: equal counts, the first stages get one more."""
   base, extra = divmod(num_cells, num_stages)
@@ -81,6 +98,9 @@ def BuildModel(config: Dict[str, Any]):
     devices = None  # Graph mode: Lingvo's cluster model split.
     if config.get('mode', 'graph') != 'graph':
       devices = [f'/device:CPU:{k}' for k in range(num_stages)]
+    schedule = config.get('schedule', 'gpipe')
+    if schedule != 'gpipe':  # The loss inside: its own cell.
+      cells.append(LossCell())
     params = GPipeSequentialLayer.Params().Set(
         name='model',
         cell_tpl=cells,
@@ -88,13 +108,24 @@ def BuildModel(config: Dict[str, Any]):
         num_micro_batches=config['micro_batches'],
         remat=config['remat'],
         devices=devices,
-        engine=config.get('engine', 'auto'))
+        engine=config.get('engine', 'auto'),
+        schedule=schedule,
+        virtual_stages=config.get('virtual_stages', 1),
+        partition='params' if schedule != 'gpipe' else 'uniform')
   return params.Instantiate()
 
 
 def Loss(y):
-  """The scalar loss of the model's output (a tensor or a 1-tuple)."""
+  """The scalar loss: mean(y^2) of the model's output, or the output itself.
+
+  Args:
+    y: The model's output (a tensor or a 1-tuple), or the loss a pipeline
+      computed in its last cell (a scalar).
+
+  Returns:
+    A scalar.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if isinstance(y, (list, tuple)):
     (y,) = y
-  return tf.reduce_mean(tf.square(y))
+  return y if y.shape.rank == 0 else tf.reduce_mean(tf.square(y))

@@ -45,7 +45,10 @@ def Config(model: str,
            stages: int = 1,
            warmups: int = 1,
            mode: str = 'graph',
-           engine: str = 'auto') -> Dict[str, Any]:
+           engine: str = 'auto',
+           schedule: str = 'gpipe',
+           virtual_stages: int = 1,
+           intra_op_threads: int = 0) -> Dict[str, Any]:
   """A configuration to measure.
 
   Args:
@@ -61,6 +64,12 @@ def Config(model: str,
     warmups: Warm-up steps (the first one is timed as the first step).
     mode: One of `MODES`.
     engine: GPipeSequentialLayer's engine (gpipe only).
+    schedule: Its schedule (gpipe only); with the loss inside (1f1b) the
+      model's last cell computes the loss.
+    virtual_stages: Its chunks per device (gpipe only).
+    intra_op_threads: Threads per TensorFlow op (0: TensorFlow's default).
+      1 makes each logical CPU device act as one core, so that stages
+      overlap as on K accelerators (docs/benchmarks.md).
 
   Returns:
     A JSON-ready dict.
@@ -85,6 +94,9 @@ def Config(model: str,
       'warmups': warmups,
       'mode': mode,
       'engine': engine,
+      'schedule': schedule,
+      'virtual_stages': virtual_stages,
+      'intra_op_threads': intra_op_threads,
   }
 
 
@@ -104,6 +116,13 @@ def Name(config: Dict[str, Any]) -> str:
     return f'lingvo {shape}'
   engine = config.get('engine', 'auto')
   engine = '' if engine == 'auto' else f' {engine}'
+  schedule = config.get('schedule', 'gpipe')
+  if schedule != 'gpipe':
+    engine += f' {schedule}'
+  if config.get('virtual_stages', 1) != 1:
+    shape += f' v={config["virtual_stages"]}'
+  if config.get('intra_op_threads', 0):
+    suffix += f' {config["intra_op_threads"]}-thread ops'
   return f'gpipe{engine} {shape} {config["remat"]}{suffix}'
 
 

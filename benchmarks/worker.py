@@ -102,9 +102,14 @@ def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
     init_op = tf.compat.v1.global_variables_initializer()
     num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
   build_s = time.time() - start
+  threads = config.get('intra_op_threads', 0)
   sess = tf.compat.v1.Session(
       graph=graph,
-      config=tf.compat.v1.ConfigProto(device_count={'CPU': num_stages}))
+      config=tf.compat.v1.ConfigProto(
+          device_count={'CPU': num_stages},
+          intra_op_parallelism_threads=threads,
+          inter_op_parallelism_threads=max(2, 2 * num_stages) if threads
+          else 0))
   sess.run(init_op)
   return build_s, num_params, lambda: sess.run(train_op)
 
@@ -176,6 +181,11 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
   import tensorflow as tf
   # pylint: enable=g-import-not-at-top
   hlo_lines = None
+  threads = config.get('intra_op_threads', 0)
+  if threads:  # Before TensorFlow creates its thread pools.
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(
+        max(2, 2 * config['stages']))
   if config.get('mode', 'graph') == 'graph':
     build_s, num_params, run_step = _GraphStep(config)
     result = _TimeSteps(run_step, config)
