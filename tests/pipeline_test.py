@@ -1,5 +1,7 @@
 """The engine on plain TensorFlow stage functions (no Lingvo)."""
 
+import collections
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -310,3 +312,133 @@ def testOneFOneBLastCellMustReturnScalars():
                        'scalars'):
       pipe([WEIGHTS[:2], WEIGHTS[2:]], [tf.constant(X), None],
            [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * 2)
+
+
+# Skip connections.
+
+SKIP_WIDTH = 7  # Skip tensors are [batch, 7]: told apart from the rest (6).
+
+
+def _SkipStage(c, skips, loss=False):
+  """Chunk c: adds its incoming skips, a tanh layer, emits its skips."""
+  outgoing = [s for s, (a, _) in enumerate(skips) if a == c]
+
+  def Stage(theta, inputs, state, micro_batch_id):
+    del micro_batch_id
+    x, extra = inputs[0], inputs[1:]
+    for (t,) in extra:
+      x = x + tf.reduce_sum(t, -1, keepdims=True)
+    x = tf.tanh(tf.matmul(x, theta[0]))
+    sent = tuple((tf.tile(x[:, :1], [1, SKIP_WIDTH]) * (s + 2.0),)
+                 for s in outgoing)
+    if loss:
+      return (tf.reduce_mean(x * x),) + sent, state
+    return (x,) + sent, state
+
+  return Stage
+
+
+def _SkipPlain(weights, x, skips):
+  """The same chunks run in order on the whole batch."""
+  sent, extra_outputs = {}, []
+  for c, w in enumerate(weights):
+    for s, (_, b) in enumerate(skips):
+      if b == c:
+        x = x + tf.reduce_sum(sent[s], -1, keepdims=True)
+    x = tf.tanh(tf.matmul(x, w))
+    for s, (a, b) in enumerate(skips):
+      if a == c:
+        sent[s] = tf.tile(x[:, :1], [1, SKIP_WIDTH]) * (s + 2.0)
+        if b is None:
+          extra_outputs.append(sent[s])
+  return x, extra_outputs
+
+
+SKIPS = [(0, 2), (1, 3), (0, None), (0, 3)]
+
+
+@pytest.mark.parametrize('k,v', [(1, 4), (2, 2), (4, 1)])
+def testSkipsAreTransparent(engine, k, v):
+  """4 chunks with skips 0->2, 1->3, 0->output, 0->3 vs the plain chunks."""
+  for m in (1, 4, 8):
+    for remat in ('always', 'never'):
+      graph = tf.Graph()
+      with graph.as_default():
+        ws = [tf.constant(w) for w in WEIGHTS]
+        x = tf.constant(X)
+        y0, extra0 = _SkipPlain(ws, x, SKIPS)
+        loss0 = tf.reduce_sum(y0 * y0) + tf.reduce_sum(extra0[0])
+        pipe = pipeline.Pipeline(
+            [_SkipStage(c, SKIPS) for c in range(4)],
+            engine_util.CPUS[:k], m, remat=remat, engine=engine,
+            virtual_stages=v, skips=SKIPS)
+        (y1, extra1), _ = pipe([[w] for w in ws], [x])
+        loss1 = tf.reduce_sum(y1 * y1) + tf.reduce_sum(extra1)
+        fetches = [[y0, extra0[0]] + tf.gradients(loss0, ws + [x]),
+                   [y1, extra1] + tf.gradients(loss1, ws + [x])]
+        with tf.compat.v1.Session(graph=graph,
+                                  config=engine_util.SessionConfig()) as sess:
+          expected, actual = sess.run(fetches)
+      engine_util.AssertTransparent(actual, expected)
+
+
+@pytest.mark.parametrize('v', [1, 2])
+def testSkipsWithTheLossInside(v):
+  skips = [(0, 2), (1, 3), (0, 3)]
+  for m in (1, 4, 8) if v == 1 else (2, 4, 8):
+    for remat in ('always', 'never'):
+      graph = tf.Graph()
+      with graph.as_default():
+        ws = [tf.constant(w) for w in WEIGHTS]
+        x = tf.constant(X)
+        parts = [_SkipPlain(ws, p, skips)[0] for p in tf.split(x, m)]
+        loss0 = tf.add_n([tf.reduce_mean(y * y) for y in parts]) / m
+        pipe = pipeline.Pipeline(
+            [_SkipStage(c, skips, loss=c == 3) for c in range(4)],
+            engine_util.CPUS[:4 // v], m, remat=remat, engine='loop',
+            schedule='1f1b', virtual_stages=v, skips=skips)
+        (loss1,), _ = pipe([[w] for w in ws], [x])
+        fetches = [[loss0] + tf.gradients(loss0, ws + [x]),
+                   [loss1] + tf.gradients(loss1, ws + [x])]
+        with tf.compat.v1.Session(graph=graph,
+                                  config=engine_util.SessionConfig()) as sess:
+          expected, actual = sess.run(fetches)
+      engine_util.AssertTransparent(actual, expected)
+
+
+def testSkippedTensorsGoStraightToTheirTarget(engine):
+  """K = 4, skip 0 -> 3: no op of devices 1 and 2 touches a skip tensor.
+
+  Skip tensors are the only ones of width SKIP_WIDTH; in the graph (the
+  loop engine's loops lowered, so that their ops are graph ops), no op
+  placed on CPU:1 or CPU:2 reads or writes one, forward or backward.
+
+  Args:
+    engine: The pipeline engine.
+  """
+  skips = [(0, 3)]
+  graph = tf.Graph()
+  with graph.as_default(), engine_util.ObservableLoops(engine):
+    ws = [tf.constant(w) for w in WEIGHTS]
+    pipe = pipeline.Pipeline([_SkipStage(c, skips) for c in range(4)],
+                             engine_util.CPUS, 4, engine=engine, skips=skips)
+    (y,), _ = pipe([[w] for w in ws], [tf.constant(X)])
+    tf.gradients(tf.reduce_sum(y * y), ws)
+  touched = collections.defaultdict(int)
+  for op in graph.get_operations():
+    for t in list(op.inputs) + list(op.outputs):
+      if t.shape.rank and t.shape[-1] == SKIP_WIDTH:
+        touched[op.device.split(':')[-1]] += 1
+  assert touched['0'] and touched['3']  # The skip exists and is used.
+  assert not touched['1'] and not touched['2'], dict(touched)
+
+
+@pytest.mark.parametrize('skips,message', [
+    ([(2, 1)], r'\(2, 1\) must go from a chunk in \[0, 4\) to a later chunk'),
+    ([(1, 1)], r'\(1, 1\) must go'),
+    ([(0, 4)], r'\(0, 4\) must go'),
+    ([(0,)], r'\(0,\) is not a \(source chunk, target chunk or None\) pair'),
+])
+def testBadSkips(skips, message):
+  with pytest.raises(ValueError, match=message):
+    pipeline.Pipeline([DenseStage] * 4, [''] * 4, 2, skips=skips)

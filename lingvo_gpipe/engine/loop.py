@@ -121,10 +121,10 @@ def _Scatter(values: Sequence[Any], mask: Sequence[bool]) -> List[Any]:
 
 
 class _Boundary:
-  """The tensors one chunk passes to the next for one micro-batch.
+  """The tensors that cross one edge for one micro-batch.
 
   Attributes:
-    mask: Per output of the chunk body, whether it is a tensor (not None).
+    mask: Per leaf of the edge's structure, whether it is a tensor (not None).
     specs: TensorSpecs of the tensors.
   """
 
@@ -133,12 +133,44 @@ class _Boundary:
     self.specs = list(specs)
 
   def Structure(self) -> Tuple[Optional[tf.TensorSpec], ...]:
-    """The body's argument tuple, specs in place of tensors."""
+    """The leaves, specs in place of tensors (None where None)."""
     specs = iter(self.specs)
     return tuple(next(specs) if present else None for present in self.mask)
 
   def Differentiable(self) -> List[bool]:
     return [stage_lib.IsDifferentiable(s) for s in self.specs]
+
+
+class _Edge:
+  """What travels from one chunk (or the input) to another (or the output).
+
+  The step's edges: the input (source None) into chunk 0, chunk c into
+  c + 1, the last chunk into the output (target None), then the skips.
+
+  Attributes:
+    source: The chunk that writes it, or None (the pipeline's input).
+    target: The chunk that reads it, or None (the pipeline's output).
+    skip: Whether it is a skip connection (the reader gets it as a tuple
+      after its main inputs, the writer returns it after its main outputs).
+    boundary: Its tensors (known once the source is traced).
+  """
+
+  def __init__(self, source: Optional[int], target: Optional[int],
+               skip: bool):
+    self.source = source
+    self.target = target
+    self.skip = skip
+    self.boundary = None
+
+
+def Edges(num_chunks: int, skips: Sequence[Tuple[int, Optional[int]]]
+         ) -> List[_Edge]:
+  """The input edge, the chunk-to-chunk and output edges, then the skips."""
+  edges = [_Edge(None, 0, False)]
+  edges += [_Edge(c, c + 1 if c + 1 < num_chunks else None, False)
+            for c in range(num_chunks)]
+  edges += [_Edge(a, b, True) for a, b in skips]
+  return edges
 
 
 class _Chunk:
@@ -147,28 +179,35 @@ class _Chunk:
   Attributes:
     stage: The chunk's `stage.Stage` (body and device).
     theta: Its flat weights (read once per step).
-    inputs: The boundary it reads (chunk 0: the micro-batch).
-    outputs: The boundary it writes.
+    in_edges: The edges it reads, main first (their tensors, in order, are
+      its flat inputs).
+    out_edges: The edges it writes, main first (their tensors, in order, are
+      its flat outputs).
     state: Its flat initial state.
     split: Its `stage.SplitCall`, if some call keeps its activations.
   """
 
-  def __init__(self, stage: stage_lib.Stage, theta: Any, inputs: _Boundary,
-               state: Any, check_weights: bool, split: bool):
+  def __init__(self, index: int, stage: stage_lib.Stage, theta: Any,
+               edges: List[_Edge], state: Any, check_weights: bool,
+               split: bool):
     self.stage = stage
+    self.in_edges = [e for e, edge in enumerate(edges) if edge.target == index]
+    self.out_edges = [e for e, edge in enumerate(edges)
+                      if edge.source == index]
     with tf.device(stage.device):
       self.theta = stage.FlattenTheta(theta)
-    x_specs, self.state = stage.FlattenCall(inputs.Structure(), state)
+    main, *skips = [edges[e].boundary.Structure() for e in self.in_edges]
+    x_specs, self.state = stage.FlattenCall(main + tuple(skips), state)
     args = (self.theta, x_specs, self.state, tf.TensorSpec([], tf.int64))
     if check_weights:  # The recompute must see every weight in theta.
       stage.CheckNoCapturedWeights(*args)
     with tf.device(stage.device):
       concrete = stage.forward.get_concrete_function(*args)
-    results = concrete.structured_outputs
-    num_y = len(results) - stage.num_state
-    self.inputs = inputs
-    self.outputs = _Boundary(stage.output_mask,
-                             [_Spec(y) for y in results[:num_y]])
+    results = list(concrete.structured_outputs)
+    specs = iter(_Spec(y) for y in results[:len(results) - stage.num_state])
+    for e, mask in zip(self.out_edges,
+                       stage.OutputGroups(len(self.out_edges) - 1)):
+      edges[e].boundary = _Boundary(mask, [next(specs) for m in mask if m])
     self.split = stage_lib.SplitCall(concrete, stage.name) if split else None
 
   @property
@@ -212,58 +251,75 @@ def _Slots(intervals: Dict[int, Tuple[int, int]]) -> Tuple[int, Dict[int,
 class _Layout:
   """Where every micro-batch lives in the buffers, and what each tick does.
 
-  Buffers (per chunk c): 'input' (chunk c's input, c > 0), 'state' (its
-  state before the call), 'stash' (what a call keeping its activations
-  stashes), 'grad' (the gradient of its output, c < C - 1); and 'output'
-  (the last chunk's outputs) and 'd_input' (the gradient of the stacked
-  input), one slot per micro-batch.
+  Buffers: per edge 'data' (its tensors, on the reader's device; for an edge
+  into the output, one slot per micro-batch on the writer's) and 'grad'
+  (their gradients, on the writer's device; for the input edge, one slot per
+  micro-batch: the gradient of the stacked input); per chunk 'state' (its
+  state before each call) and 'stash' (what a call keeping its activations
+  stashes).
 
   Attributes:
     table: The schedule.
+    edges: The step's edges.
     recomputes: {(chunk, micro_batch): whether its backward recomputes}.
-    sizes: {(buffer, chunk): number of slots}.
-    slots: {(buffer, chunk): {micro_batch: slot}}.
+    sizes: {(buffer, index): number of slots}.
+    slots: {(buffer, index): {micro_batch: slot}}.
   """
 
   # Per device, the fields of a tick's row: the action's branch index, its
-  # micro-batch, and the slots it reads.
-  DEVICE_FIELDS = ('branch', 'micro_batch', 'input', 'state', 'stash', 'grad')
+  # micro-batch and the slots of its chunk's buffers.
+  DEVICE_FIELDS = ('branch', 'micro_batch', 'state', 'stash')
+  # Per edge: the slot its reader reads (data) and its writer reads (grad)
+  # at the tick, and the slot written after the tick (data, grad; the spare
+  # slot when nothing was written).
+  EDGE_FIELDS = ('data_read', 'grad_read', 'data_write', 'grad_write')
 
-  def __init__(self, table: schedule.Table, recomputes: Dict[Tuple[int, int],
-                                                             bool],
-               training: bool):
+  def __init__(self, table: schedule.Table, edges: Sequence[_Edge],
+               recomputes: Dict[Tuple[int, int], bool], training: bool):
     self.table = table
+    self.edges = list(edges)
     self.recomputes = recomputes
     tick = table.tick_of
-    num_chunks, num_micro = table.num_chunks, table.num_micro_batches
+    num_micro = table.num_micro_batches
+
+    def When(phase, c, m):
+      return tick[schedule.Action(phase, c, m)]
+
     live = {}
-    for c in range(num_chunks):
+    for c in range(table.num_chunks):
       for m in range(num_micro):
-        forward = tick[schedule.Action(F, c, m)]
-        backward = tick.get(schedule.Action(B, c, m))
-        if c:
-          produced = tick[schedule.Action(F, c - 1, m)]
-          live.setdefault(('input', c), {})[m] = (
-              produced, backward if training else forward)
         if training:
-          live.setdefault(('state', c), {})[m] = (forward, backward)
+          live.setdefault(('state', c), {})[m] = (When(F, c, m),
+                                                  When(B, c, m))
           if not recomputes[c, m]:
-            live.setdefault(('stash', c), {})[m] = (forward, backward)
-          if c + 1 < num_chunks:
-            live.setdefault(('grad', c), {})[m] = (
-                tick[schedule.Action(B, c + 1, m)], backward)
+            live.setdefault(('stash', c), {})[m] = (When(F, c, m),
+                                                    When(B, c, m))
+    for e, edge in enumerate(edges):
+      if edge.source is None or edge.target is None:
+        continue
+      for m in range(num_micro):
+        last_read = (When(B, edge.target, m) if training else
+                     When(F, edge.target, m))
+        live.setdefault(('data', e), {})[m] = (When(F, edge.source, m),
+                                               last_read)
+        if training:
+          live.setdefault(('grad', e), {})[m] = (When(B, edge.target, m),
+                                                 When(B, edge.source, m))
     self.sizes, self.slots = {}, {}
     for key, intervals in live.items():
       self.sizes[key], self.slots[key] = _Slots(intervals)
-    for key in (('output', num_chunks - 1), ('d_input', 0)):
-      self.sizes[key] = num_micro
-      self.slots[key] = {m: m for m in range(num_micro)}
+    for e, edge in enumerate(edges):
+      key = ('data', e) if edge.target is None else (
+          ('grad', e) if edge.source is None else None)
+      if key:
+        self.sizes[key] = num_micro
+        self.slots[key] = {m: m for m in range(num_micro)}
 
-  def Size(self, buffer: str, chunk: int) -> int:
-    return self.sizes.get((buffer, chunk), 0)
+  def Size(self, buffer: str, index: int) -> int:
+    return self.sizes.get((buffer, index), 0)
 
-  def Slot(self, buffer: str, chunk: int, micro_batch: int) -> int:
-    return self.slots.get((buffer, chunk), {}).get(micro_batch, 0)
+  def Slot(self, buffer: str, index: int, micro_batch: int) -> int:
+    return self.slots.get((buffer, index), {}).get(micro_batch, 0)
 
   def Key(self, action: schedule.Action) -> Tuple[str, int, bool]:
     """The branch an action runs: (phase, chunk, keeps its activations)."""
@@ -280,15 +336,12 @@ class _Segment:
       an index into its choices, or len(choices) when it idles.
     idles: Per device, whether it idles at some tick of the segment.
     phases: The phases of the segment's actions.
-    rows: Per tick, `_Layout.DEVICE_FIELDS` for each device, then per chunk
-      the slot its forward writes (in the next chunk's input or the output
-      buffer) and the slot its backward writes (in the previous chunk's grad
-      or the d_input buffer); the spare slot where the chunk did not run.
+    rows: Per tick, `_Layout.DEVICE_FIELDS` for each device, then
+      `_Layout.EDGE_FIELDS` for each edge.
   """
 
   def __init__(self, ticks: Sequence[schedule.Tick], layout: _Layout):
     num_devices = len(ticks[0])
-    num_chunks = layout.table.num_chunks
     self.choices = [[] for _ in range(num_devices)]
     self.idles = [False] * num_devices
     self.phases = set()
@@ -300,36 +353,30 @@ class _Segment:
         self.phases.add(action.phase)
         if layout.Key(action) not in self.choices[k]:
           self.choices[k].append(layout.Key(action))
-    self.rows = []
-    for tick in ticks:
-      row = []
-      forward_writes = [layout.Size(*_ForwardTarget(c, num_chunks))
-                        for c in range(num_chunks)]
-      backward_writes = [layout.Size(*_BackwardTarget(c))
-                         for c in range(num_chunks)]
-      for k, action in enumerate(tick):
-        if action is None:
-          row += [len(self.choices[k])] + [0] * 5
-          continue
-        phase, c, m = action
-        row += [self.choices[k].index(layout.Key(action)), m,
-                layout.Slot('input', c, m), layout.Slot('state', c, m),
-                layout.Slot('stash', c, m), layout.Slot('grad', c, m)]
-        if phase == F:
-          forward_writes[c] = layout.Slot(*_ForwardTarget(c, num_chunks), m)
-        else:
-          backward_writes[c] = layout.Slot(*_BackwardTarget(c), m)
-      self.rows.append(row + forward_writes + backward_writes)
+    self.rows = [self._Row(tick, layout) for tick in ticks]
 
-
-def _ForwardTarget(c: int, num_chunks: int) -> Tuple[str, int]:
-  """The buffer chunk c's forward outputs go to."""
-  return ('input', c + 1) if c + 1 < num_chunks else ('output', c)
-
-
-def _BackwardTarget(c: int) -> Tuple[str, int]:
-  """The buffer chunk c's input gradients go to."""
-  return ('grad', c - 1) if c else ('d_input', 0)
+  def _Row(self, tick: schedule.Tick, layout: _Layout) -> List[int]:
+    devices = []
+    edges = [[0, 0, layout.Size('data', e), layout.Size('grad', e)]
+             for e in range(len(layout.edges))]
+    for k, action in enumerate(tick):
+      if action is None:
+        devices += [len(self.choices[k]), 0, 0, 0]
+        continue
+      phase, c, m = action
+      devices += [self.choices[k].index(layout.Key(action)), m,
+                  layout.Slot('state', c, m), layout.Slot('stash', c, m)]
+      for e, edge in enumerate(layout.edges):
+        if edge.target == c:  # c reads its data; its backward writes grad.
+          edges[e][0] = layout.Slot('data', e, m)
+          if phase == B:
+            edges[e][3] = layout.Slot('grad', e, m)
+        if edge.source == c:  # c writes data; its backward reads grad.
+          if phase == F:
+            edges[e][2] = layout.Slot('data', e, m)
+          else:
+            edges[e][1] = layout.Slot('grad', e, m)
+    return devices + [field for edge in edges for field in edge]
 
 
 def _Segments(ticks: Sequence[schedule.Tick],
@@ -409,25 +456,22 @@ def _Dispatch(choices: Sequence[Any], idles: bool, branch: tf.Tensor,
   return results
 
 
-def _Unknown(n: int) -> List[tf.TensorShape]:
-  return [tf.TensorShape(None)] * n
-
-
 class _Values(NamedTuple):
   """What a device's actions change, per chunk of the device (lists)."""
   state: List[List[tf.Tensor]]  # Forward state.
   saved_state: List[List[tf.TensorArray]]  # State before each call.
   stash: List[List[tf.TensorArray]]  # Intermediates of kept calls.
-  sent_forward: List[List[tf.Tensor]]  # The latest forward outputs.
+  sent_forward: List[List[tf.Tensor]]  # The latest outputs, all out edges.
   d_state: List[List[tf.Tensor]]  # State gradients (differentiable ones).
   d_theta: List[List[tf.Tensor]]  # Weight gradient sums.
-  sent_backward: List[List[tf.Tensor]]  # The latest input gradients.
+  sent_backward: List[List[tf.Tensor]]  # The latest input gradients (all
+  # in edges, differentiable ones).
 
 
 # What forward and backward actions change (the rest they only read).
 _CHANGED = {
-    F: ('state', 'saved_state', 'stash', 'sent_forward', 'input', 'output'),
-    B: ('d_state', 'd_theta', 'sent_backward', 'grad', 'd_input'),
+    F: ('state', 'saved_state', 'stash', 'sent_forward', 'data'),
+    B: ('d_state', 'd_theta', 'sent_backward', 'grad'),
 }
 
 
@@ -436,16 +480,14 @@ class _Step:
 
   Attributes:
     chunks: The C `_Chunk`s.
-    layout: Slots and branches.
+    layout: Slots, edges and branches.
     num_devices: K.
-    stacked_inputs: The first chunk's input tensors, micro-batches stacked.
+    stacked_inputs: The input edge's tensors, micro-batches stacked.
     first_id: int64 id of micro-batch 0.
     loss_inside: Whether the last chunk's backward starts from the loss.
-    d_outputs: The gradients of the last chunk's outputs: [M, ...] tensors
-      (loss outside), or scalars (loss inside); None where not
+    d_outputs: Per edge into the output, the gradients of its tensors:
+      [M, ...] (loss outside), or scalars (loss inside); None where not
       differentiable. Set before a backward tick is built.
-    diff_inputs, diff_outputs, diff_state, diff_theta: Per chunk, which of
-      its inputs, outputs, state and weights are differentiable.
   """
 
   def __init__(self, chunks: Sequence[_Chunk], layout: _Layout,
@@ -453,60 +495,69 @@ class _Step:
                loss_inside: bool):
     self.chunks = list(chunks)
     self.layout = layout
+    self.edges = layout.edges
     self.num_devices = layout.table.num_devices
     self.stacked_inputs = stacked_inputs
     self.first_id = first_id
     self.loss_inside = loss_inside
-    num_chunks = len(chunks)
-    self.diff_inputs = [c.inputs.Differentiable() for c in chunks]
-    self.diff_outputs = [c.outputs.Differentiable() for c in chunks]
-    self.diff_state = [[stage_lib.IsDifferentiable(t) for t in c.state]
-                        for c in chunks]
-    self.diff_theta = [[stage_lib.IsDifferentiable(t) for t in c.theta]
-                        for c in chunks]
+    self.d_outputs = {}
     self._num_micro = layout.table.num_micro_batches
-    self._last = num_chunks - 1
-    self.d_outputs = None
+    self._diff = [e.boundary.Differentiable() for e in self.edges]
+    self._diff_state = [[stage_lib.IsDifferentiable(t) for t in c.state]
+                        for c in chunks]
+    self._diff_theta = [[stage_lib.IsDifferentiable(t) for t in c.theta]
+                        for c in chunks]
+
+  def Differentiable(self, e: int) -> List[bool]:
+    """Which tensors of edge e are differentiable."""
+    return self._diff[e]
+
+  def _EdgeDevice(self, e: int, buffer: str) -> str:
+    """Where edge e's buffer lives: data with its reader, grad its writer."""
+    edge = self.edges[e]
+    chunk = edge.target if buffer == 'data' else edge.source
+    if chunk is None:
+      chunk = edge.source if buffer == 'data' else edge.target
+    return self.chunks[chunk].device
 
   def Initial(self, states: List[List[tf.Tensor]],
               d_states: Optional[List[List[Optional[tf.Tensor]]]] = None
              ) -> Dict[str, Any]:
     """The loop variables before the first tick."""
     layout, chunks = self.layout, self.chunks
-    v = {name: [] for name in ('input', 'grad') + _Values._fields}
+    v = {name: [] for name in ('data', 'grad') + _Values._fields}
+    for e, edge in enumerate(self.edges):
+      specs = edge.boundary.specs
+      with tf.device(self._EdgeDevice(e, 'data')):
+        v['data'].append([_Buffer(s, layout.Size('data', e)) for s in specs]
+                         if layout.Size('data', e) else [])
+      with tf.device(self._EdgeDevice(e, 'grad')):
+        v['grad'].append([_Buffer(s, layout.Size('grad', e))
+                          for s, d in zip(specs, self._diff[e]) if d]
+                         if layout.Size('grad', e) else [])
     for c, chunk in enumerate(chunks):
       with tf.device(chunk.device):
         v['state'].append(list(states[c]))
-        v['input'].append([_Buffer(s, layout.Size('input', c))
-                           for s in chunk.inputs.specs] if c else [])
         v['saved_state'].append([_Buffer(_Spec(t), layout.Size('state', c))
                                  for t in chunk.state]
                                 if layout.Size('state', c) else [])
         v['stash'].append([_Buffer(s, layout.Size('stash', c))
                            for s in chunk.split.stash_specs]
                           if layout.Size('stash', c) else [])
-        v['sent_forward'].append([_Placeholder(s) for s in chunk.outputs.specs])
-        v['grad'].append([
-            _Buffer(s, layout.Size('grad', c))
-            for s, d in zip(chunk.outputs.specs, self.diff_outputs[c]) if d
-        ] if layout.Size('grad', c) else [])
+        v['sent_forward'].append([
+            _Placeholder(s) for e in chunk.out_edges
+            for s in self.edges[e].boundary.specs])
         given = [None] * len(chunk.state) if d_states is None else d_states[c]
         v['d_state'].append([
             tf.zeros_like(t) if g is None else g
-            for t, g, d in zip(chunk.state, given, self.diff_state[c]) if d
+            for t, g, d in zip(chunk.state, given, self._diff_state[c]) if d
         ])
         v['d_theta'].append([tf.zeros_like(t) for t, d in
-                             zip(chunk.theta, self.diff_theta[c]) if d])
+                             zip(chunk.theta, self._diff_theta[c]) if d])
         v['sent_backward'].append([
-            _Placeholder(s)
-            for s, d in zip(chunk.inputs.specs, self.diff_inputs[c]) if d
+            _Placeholder(s) for e in chunk.in_edges
+            for s, d in zip(self.edges[e].boundary.specs, self._diff[e]) if d
         ])
-    last, first = chunks[-1], chunks[0]
-    with tf.device(last.device):
-      v['output'] = [_Buffer(s, self._num_micro) for s in last.outputs.specs]
-    with tf.device(first.device):
-      v['d_input'] = [_Buffer(s, self._num_micro)
-                      for s, d in zip(first.inputs.specs, self.diff_inputs[0]) if d]
     return v
 
   def _Invariants(self, v: Dict[str, Any]) -> Dict[str, Any]:
@@ -525,62 +576,76 @@ class _Step:
         lambda t: tf.TensorShape(None) if isinstance(t, tf.TensorArray) else
         t.shape, v)
     if 'sent_forward' in v:
-      invariants['sent_forward'] = [[s.shape for s in c.outputs.specs]
-                                    for c in self.chunks]
+      invariants['sent_forward'] = [
+          [s.shape for e in c.out_edges for s in self.edges[e].boundary.specs]
+          for c in self.chunks]
     if 'sent_backward' in v:
       invariants['sent_backward'] = [
-          [s.shape for s, d in zip(c.inputs.specs, diff) if d]
-          for c, diff in zip(self.chunks, self.diff_inputs)]
+          [s.shape for e in c.in_edges
+           for s, d in zip(self.edges[e].boundary.specs, self._diff[e]) if d]
+          for c in self.chunks]
     return invariants
 
-  def _Input(self, c: int, m: tf.Tensor, slot: tf.Tensor,
-             v: Dict[str, Any]) -> List[tf.Tensor]:
-    """Chunk c's input of micro-batch m."""
-    if c == 0:
-      return [tf.gather(x, m) for x in self.stacked_inputs]
-    return [a.read(slot) for a in v['input'][c]]
+  def _Inputs(self, c: int, m: tf.Tensor, row: Dict[str, tf.Tensor],
+              v: Dict[str, Any]) -> List[tf.Tensor]:
+    """Chunk c's flat inputs of micro-batch m, edge after edge."""
+    x = []
+    for e in self.chunks[c].in_edges:
+      if self.edges[e].source is None:
+        x += [tf.gather(t, m) for t in self.stacked_inputs]
+      else:
+        x += [a.read(row['data_read', e]) for a in v['data'][e]]
+    return x
 
-  def _Forward(self, c: int, keeps: bool, f: Dict[str, tf.Tensor],
+  def _OutputGradients(self, c: int, m: tf.Tensor, row: Dict[Any, tf.Tensor],
+                       v: Dict[str, Any]) -> List[Optional[tf.Tensor]]:
+    """The gradients of chunk c's outputs (flat), None where none can be."""
+    d_y = []
+    for e in self.chunks[c].out_edges:
+      if self.edges[e].target is None:
+        d_y += [None if d is None else
+                (d if self.loss_inside else tf.gather(d, m))
+                for d in self.d_outputs[e]]
+      else:
+        given = iter([a.read(row['grad_read', e]) for a in v['grad'][e]])
+        d_y += [next(given) if d else None for d in self._diff[e]]
+    return d_y
+
+  def _Forward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
                v: Dict[str, Any], values: _Values, i: int) -> None:
-    """Chunk c's forward on micro-batch f['micro_batch']; updates values."""
+    """Chunk c's forward on micro-batch row['micro_batch']; updates values."""
     chunk = self.chunks[c]
-    m = f['micro_batch']
-    x = self._Input(c, m, f['input'], v)
+    m = row['micro_batch']
+    x = self._Inputs(c, m, row, v)
     state = v['state'][c]
     args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
     if keeps:
       results, stash = chunk.split.Forward(args)
-      values.stash[i] = [a.write(f['stash'], t)
+      values.stash[i] = [a.write(row['stash'], t)
                          for a, t in zip(v['stash'][c], stash)]
     else:
       results = chunk.stage.forward(chunk.theta, x, state, args[-1])
     num_y = len(results) - len(state)
     values.sent_forward[i] = list(results[:num_y])
     values.state[i] = list(results[num_y:])
-    values.saved_state[i] = [a.write(f['state'], t)
+    values.saved_state[i] = [a.write(row['state'], t)
                              for a, t in zip(v['saved_state'][c], state)]
 
-  def _Backward(self, c: int, keeps: bool, f: Dict[str, tf.Tensor],
+  def _Backward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
                 v: Dict[str, Any], values: _Values, i: int) -> None:
-    """Chunk c's backward on micro-batch f['micro_batch']; updates values."""
+    """Chunk c's backward on micro-batch row['micro_batch']; updates values."""
     chunk = self.chunks[c]
-    m = f['micro_batch']
-    x = self._Input(c, m, f['input'], v)
-    state = [a.read(f['state']) for a in v['saved_state'][c]]
-    if c == self._last:
-      d_y = [None if d is None else
-             (d if self.loss_inside else tf.gather(d, m))
-             for d in self.d_outputs]
-    else:
-      given = iter([a.read(f['grad']) for a in v['grad'][c]])
-      d_y = [next(given) if d else None for d in self.diff_outputs[c]]
+    m = row['micro_batch']
+    x = self._Inputs(c, m, row, v)
+    state = [a.read(row['state']) for a in v['saved_state'][c]]
+    d_y = self._OutputGradients(c, m, row, v)
     given = iter(v['d_state'][c])
-    d_state = [next(given) if d else None for d in self.diff_state[c]]
+    d_state = [next(given) if d else None for d in self._diff_state[c]]
     args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
     if keeps:
-      stash = [a.read(f['stash']) for a in v['stash'][c]]
+      stash = [a.read(row['stash']) for a in v['stash'][c]]
       d_state = [tf.zeros_like(t) if g is None and d else g
-                 for t, g, d in zip(state, d_state, self.diff_state[c])]
+                 for t, g, d in zip(state, d_state, self._diff_state[c])]
       grads = chunk.split.Backward(d_y + d_state, args, stash)
     else:
       grads = chunk.stage.backward(chunk.theta, x, state, args[-1],
@@ -645,84 +710,104 @@ class _Step:
       v = dict(fixed, **results[1])
     return v
 
+  def _Fields(self, row: tf.Tensor) -> List[Dict[Any, tf.Tensor]]:
+    """Per device, its fields of the tick's row (edge fields by (name, e))."""
+    device_fields, edge_fields = _Layout.DEVICE_FIELDS, _Layout.EDGE_FIELDS
+    base = self.num_devices * len(device_fields)
+    edges = {(field, e): row[base + e * len(edge_fields) + j]
+             for e in range(len(self.edges))
+             for j, field in enumerate(edge_fields)}
+    return [dict(edges, **{field: row[k * len(device_fields) + j]
+                           for j, field in enumerate(device_fields)})
+            for k in range(self.num_devices)]
+
   def _Tick(self, segment: _Segment, row: tf.Tensor,
             v: Dict[str, Any]) -> Dict[str, Any]:
     """One tick: every device's action, then the writes to the buffers."""
-    num_devices, num_chunks = self.num_devices, len(self.chunks)
-    fields = _Layout.DEVICE_FIELDS
+    num_chunks = len(self.chunks)
+    fields = self._Fields(row)
     v = {key: list(value) for key, value in v.items()}
-    for k in range(num_devices):
-      own = list(range(k, num_chunks, num_devices))
-      base = k * len(fields)
-      f = {field: row[base + j] for j, field in enumerate(fields)}
+    for k in range(self.num_devices):
+      own = list(range(k, num_chunks, self.num_devices))
 
       def Current(own=own):
         return _Values(*[[v[field][c] for c in own]
                          for field in _Values._fields])
 
-      def Run(choice, own=own, f=f, current=Current):
+      def Run(choice, own=own, row=fields[k], current=Current):
         phase, c, keeps = choice
         values = current()
         with tf.name_scope(f'chunk{c}'):  # engine/trace.py reads it.
           (self._Forward if phase == F else self._Backward)(
-              c, keeps, f, v, values, own.index(c))
+              c, keeps, row, v, values, own.index(c))
         return values
 
       with tf.device(self.chunks[k].device), tf.name_scope(f'device{k}'):
         values = _Dispatch(segment.choices[k], segment.idles[k],
-                           f['branch'], Run, Current,
+                           fields[k]['branch'], Run, Current,
                            f'device{k}_{"_".join(sorted(segment.phases))}')
       for field, per_chunk in zip(_Values._fields, values):
         for c, value in zip(own, per_chunk):
           v[field][c] = value
-    # Each chunk's results go to the buffers of the chunk that reads them.
-    writes = num_devices * len(fields)
-    for c in range(num_chunks):
-      if F in segment.phases:
-        kind, target = _ForwardTarget(c, num_chunks)
-        buffers = v[kind] if kind == 'output' else v[kind][target]
-        with tf.device(self.chunks[target].device):
-          written = [a.write(row[writes + c], t)
-                     for a, t in zip(buffers, v['sent_forward'][c])]
-        if kind == 'output':
-          v['output'] = written
-        else:
-          v['input'][target] = written
-      if B in segment.phases:
-        kind, target = _BackwardTarget(c)
-        buffers = v[kind] if kind == 'd_input' else v[kind][target]
-        with tf.device(self.chunks[target].device):
-          written = [a.write(row[writes + num_chunks + c], g)
-                     for a, g in zip(buffers, v['sent_backward'][c])]
-        if kind == 'd_input':
-          v['d_input'] = written
-        else:
-          v['grad'][target] = written
+    # Each edge's tensors go to the buffer of the chunk that reads them.
+    edge_fields = fields[0]
+    for e, edge in enumerate(self.edges):
+      if F in segment.phases and edge.source is not None:
+        chunk = self.chunks[edge.source]
+        sent = self._Slice(v['sent_forward'][edge.source], chunk.out_edges, e,
+                           lambda f: self.edges[f].boundary.specs)
+        with tf.device(self._EdgeDevice(e, 'data')):
+          v['data'][e] = [a.write(edge_fields['data_write', e], t)
+                          for a, t in zip(v['data'][e], sent)]
+      if B in segment.phases and edge.target is not None and v['grad'][e]:
+        chunk = self.chunks[edge.target]
+        sent = self._Slice(
+            v['sent_backward'][edge.target], chunk.in_edges, e,
+            lambda f: [d for d in self._diff[f] if d])
+        with tf.device(self._EdgeDevice(e, 'grad')):
+          v['grad'][e] = [a.write(edge_fields['grad_write', e], g)
+                          for a, g in zip(v['grad'][e], sent)]
     return v
+
+  @staticmethod
+  def _Slice(values: List[tf.Tensor], edges: Sequence[int], e: int,
+             sizes: Callable[[int], Sequence[Any]]) -> List[tf.Tensor]:
+    """The part of a chunk's flat values that belongs to edge e."""
+    start = 0
+    for f in edges:
+      size = len(sizes(f))
+      if f == e:
+        return values[start:start + size]
+      start += size
+    raise ValueError(f'edge {e} is not among {list(edges)}.')
 
   def Results(self, v: Dict[str, Any]):
     """(outputs stacked [M, ...], final states, d_theta, d_inputs, d_states).
 
-    Gradients are on their chunk's devices, None where not differentiable.
+    Outputs are those of every edge into the output, main first; gradients
+    are on their chunk's devices, None where not differentiable.
     """
-    chunks, num_micro = self.chunks, self._num_micro
-    with tf.device(chunks[-1].device):
-      outputs = [a.gather(tf.range(num_micro)) for a in v['output']]
-    with tf.device(chunks[0].device):
+    num_micro = self._num_micro
+    outputs = []
+    for e, edge in enumerate(self.edges):
+      if edge.target is None:
+        with tf.device(self._EdgeDevice(e, 'data')):
+          outputs += [a.gather(tf.range(num_micro)) for a in v['data'][e]]
+    with tf.device(self.chunks[0].device):
       d_inputs = _Scatter([a.gather(tf.range(num_micro))
-                           for a in v['d_input']], self.diff_inputs[0])
+                           for a in v['grad'][0]], self._diff[0])
     placed = {}
     for field in ('state', 'd_theta', 'd_state'):
       placed[field] = []
-      for chunk, tensors in zip(chunks, v[field]):
+      for chunk, tensors in zip(self.chunks, v[field]):
         with tf.device(chunk.device):
           placed[field].append([tf.identity(t) for t in tensors])
     return (outputs, placed['state'],
             [_Scatter(g, d) for g, d in zip(placed['d_theta'],
-                                            self.diff_theta)],
+                                            self._diff_theta)],
             d_inputs,
             [_Scatter(g, d) for g, d in zip(placed['d_state'],
-                                            self.diff_state)])
+                                            self._diff_state)])
 
 
 def _PhaseTicks(table: schedule.Table) -> List[Tuple[str, Sequence[
@@ -800,38 +885,39 @@ def _NoGradient(t):
 
 
 def _Chunks(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
-            first: _Boundary, states: Sequence[Any], table: schedule.Table,
+            edges: List[_Edge], states: Sequence[Any], table: schedule.Table,
             remat: str, training: bool) -> Tuple[List[_Chunk], _Layout]:
-  """The `_Chunk`s and the `_Layout` of a step."""
+  """The `_Chunk`s (tracing each once) and the `_Layout` of a step."""
   recomputes = schedule.RecomputedCalls(table,
                                         remat if training else 'always')
-  chunks, boundary = [], first
+  chunks = []
   for c, (s, theta, state) in enumerate(zip(stages, thetas, states)):
     keeps = training and not all(recomputes[c, m]
                                  for m in range(table.num_micro_batches))
-    chunk = _Chunk(s, theta, boundary, state, training, keeps)
-    chunks.append(chunk)
-    boundary = chunk.outputs
-  return chunks, _Layout(table, recomputes, training)
+    chunks.append(_Chunk(c, s, theta, edges, state, training, keeps))
+  return chunks, _Layout(table, edges, recomputes, training)
 
 
-def _CheckLossOutputs(chunk: _Chunk) -> None:
-  """Raises unless the last chunk returns scalars, the first a float loss."""
-  specs = chunk.outputs.specs
-  if (not specs or not all(chunk.outputs.mask) or
+def _CheckLossOutputs(edges: Sequence[_Edge]) -> None:
+  """Raises unless the output is scalars, the first a float loss."""
+  outputs = [e.boundary for e in edges if e.target is None]
+  specs = outputs[0].specs
+  if (len(outputs) > 1 or not specs or not all(outputs[0].mask) or
       any(s.shape.rank != 0 for s in specs) or not specs[0].dtype.is_floating):
     raise ValueError(
         'A schedule with the loss inside the pipeline (e.g. '
         "schedule='1f1b') needs a last cell that returns scalars, the first "
-        'a float loss (the mean over its micro-batch); it returns '
-        f'{chunk.outputs.Structure()}.')
+        'a float loss (the mean over its micro-batch), and no skip into the '
+        f'output; it returns {outputs[0].Structure()}'
+        f'{" and skips" if len(outputs) > 1 else ""}.')
 
 
 def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
         inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
         table: schedule.Table, batch_dim: int, remat: str,
         first_id: tf.Tensor, training: bool,
-        loss_inside: bool = False
+        loss_inside: bool = False,
+        skips: Sequence[Tuple[int, Optional[int]]] = ()
        ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
   """Builds one pipelined pass as while loops (see the module docstring).
 
@@ -848,11 +934,15 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
     loss_inside: Whether the last chunk returns the loss (scalars): the
       outputs are then the means over micro-batches, and in training the
       table's backward runs in the same loop (its `loss_outside` is False).
+    skips: (source chunk, target chunk or None for the output) pairs: the
+      source returns one tuple per skip after its main outputs, the target
+      receives it after its main inputs (see `pipeline.Pipeline`).
 
   Returns:
-    (outputs, states): the last chunk's outputs merged along batch_dim (with
-    the loss inside: the mean over micro-batches of each scalar output) and
-    each chunk's state after its last micro-batch.
+    (outputs, states): the last chunk's outputs merged along batch_dim, then
+    the tensors of each skip into the output (with the loss inside: the mean
+    over micro-batches of each scalar output), and each chunk's state after
+    its last micro-batch.
 
   Raises:
     ValueError: if the table or the last cell's outputs do not suit.
@@ -867,18 +957,18 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
       shape[batch_dim] = (None if shape[batch_dim] is None else
                           shape[batch_dim] // num_micro)
       specs.append(tf.TensorSpec(shape, x.dtype))
-  chunks, layout = _Chunks(
-      stages, thetas, _Boundary([x is not None for x in inputs], specs),
-      states, table, remat, training)
-  last = chunks[-1]
+  edges = Edges(len(stages), skips)
+  edges[0].boundary = _Boundary([x is not None for x in inputs], specs)
+  chunks, layout = _Chunks(stages, thetas, edges, states, table, remat,
+                           training)
   if loss_inside:
-    _CheckLossOutputs(last)
+    _CheckLossOutputs(edges)
   with tf.device(stages[0].device):
     stacked = [microbatch.Stack(x, num_micro, batch_dim)
                for x in inputs if x is not None]
   sizes = ([len(c.theta) for c in chunks], [len(stacked)],
            [len(c.state) for c in chunks])
-  num_outputs = len(last.outputs.specs)
+  output_edges = [e for e, edge in enumerate(edges) if edge.target is None]
 
   def NewStep(flat):
     """A `_Step` over the weights and stacked inputs in `flat`."""
@@ -895,27 +985,32 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
                  'forward')
     outputs, final_states, _, _, _ = step.Results(v)
     if loss_inside:
-      with tf.device(last.device):
+      with tf.device(chunks[-1].device):
         outputs = [tf.reduce_mean(y, 0) for y in outputs]
     final_flat = _Join(final_states)
   elif loss_inside:
-    outputs, final_flat = _LossInside(NewStep, flat, sizes, runs, last,
-                                      num_outputs)
+    outputs, final_flat = _LossInside(NewStep, flat, sizes, runs,
+                                      output_edges)
   else:
-    outputs, final_flat = _LossOutside(NewStep, flat, sizes, runs, last,
-                                       num_outputs)
+    outputs, final_flat = _LossOutside(NewStep, flat, sizes, runs,
+                                       output_edges)
   final_states = _Unjoin(final_flat, sizes[2:])[0]
   final_states = [tf.nest.pack_sequence_as(state, part)
                   for state, part in zip(states, final_states)]
   if loss_inside:
     return outputs, final_states
-  with tf.device(last.device):
-    merged = iter([microbatch.Unstack(y, batch_dim) for y in outputs])
-  return ([next(merged) if present else None
-           for present in last.outputs.mask], final_states)
+  merged = iter(outputs)
+  results = []
+  for e in output_edges:
+    edge = edges[e]
+    with tf.device(chunks[edge.source].device):
+      results += [None if not present else
+                  microbatch.Unstack(next(merged), batch_dim)
+                  for present in edge.boundary.mask]
+  return results, final_states
 
 
-def _LossOutside(new_step, flat, sizes, runs, last, num_outputs):
+def _LossOutside(new_step, flat, sizes, runs, output_edges):
   """Forward loops, and backward loops as their gradient (GPipe).
 
   Args:
@@ -923,8 +1018,7 @@ def _LossOutside(new_step, flat, sizes, runs, last, num_outputs):
     flat: Weights, stacked inputs and initial states, flat.
     sizes: How `flat` is cut (`_Unjoin`).
     runs: The forward ticks and the backward ticks (`_PhaseTicks`).
-    last: The last chunk.
-    num_outputs: The number of its output tensors.
+    output_edges: The edges into the output.
 
   Returns:
     (outputs stacked [M, ...], final states flat).
@@ -940,6 +1034,7 @@ def _LossOutside(new_step, flat, sizes, runs, last, num_outputs):
     v = step.Run(runs[0][1], step.Initial(_Unjoin(flat, sizes)[2]),
                  'forward')
     outputs, final_states, _, _, _ = step.Results(v)
+    num_outputs = len(outputs)
 
     def Grad(*d_flat, variables=None):
       d_flat = [None if d is None else tf.stop_gradient(d) for d in d_flat]
@@ -947,17 +1042,15 @@ def _LossOutside(new_step, flat, sizes, runs, last, num_outputs):
       # tf.gradients colocates gradient ops with the op they differentiate;
       # this one spans every chunk's device, and places its ops itself.
       with tf.compat.v1.colocate_with(None, ignore_existing=True):
-        with tf.device(last.device):
-          step.d_outputs = [
-              None if not d else
-              (tf.zeros([y.shape[0]] + s.shape.as_list(), s.dtype)
-               if g is None else g)
-              for d, g, s, y in zip(step.diff_outputs[-1],
-                                    d_flat[:num_outputs], last.outputs.specs,
-                                    outputs)
-          ]
+        given = iter(zip(d_flat[:num_outputs], outputs))
+        for e in output_edges:
+          step.d_outputs[e] = []
+          for d in step.Differentiable(e):
+            g, y = next(given)
+            step.d_outputs[e].append(
+                None if not d else tf.zeros_like(y) if g is None else g)
         initial = step.Initial(final_states, d_states)
-        for key in ('input', 'saved_state', 'stash'):
+        for key in ('data', 'saved_state', 'stash'):
           initial[key] = v[key]
         backward = step.Run(runs[1][1], initial, 'backward')
         _, _, d_theta, d_x, d_init = step.Results(backward)
@@ -967,10 +1060,11 @@ def _LossOutside(new_step, flat, sizes, runs, last, num_outputs):
     return outputs + _Join(final_states), Grad
 
   results = Pipelined(*flat)
+  num_outputs = len(results) - sum(sizes[2])
   return results[:num_outputs], results[num_outputs:]
 
 
-def _LossInside(new_step, flat, sizes, runs, last, num_outputs):
+def _LossInside(new_step, flat, sizes, runs, output_edges):
   """One loop of forward and backward actions in the forward pass (1F1B).
 
   The backward starts from d(mean loss) / d(loss of micro-batch m) = 1 / M;
@@ -983,28 +1077,30 @@ def _LossInside(new_step, flat, sizes, runs, last, num_outputs):
     flat: Weights, stacked inputs and initial states, flat.
     sizes: How `flat` is cut (`_Unjoin`).
     runs: [('mixed', ticks)] (`_PhaseTicks`).
-    last: The last chunk.
-    num_outputs: The number of its outputs (scalars).
+    output_edges: The edge into the output (one: the loss and metrics).
 
   Returns:
     (means of the outputs over micro-batches, final states flat).
   """
+  (output,) = output_edges
 
   @tf.custom_gradient
   def Pipelined(*flat):
     flat = [tf.stop_gradient(t) for t in flat]
     step = new_step(flat)
     num_micro = step.layout.table.num_micro_batches
-    with tf.device(last.device):
-      step.d_outputs = [
+    device = step.chunks[-1].device
+    with tf.device(device):
+      step.d_outputs[output] = [
           None if not d else
           tf.constant(1.0 / num_micro if i == 0 else 0.0, s.dtype)
-          for i, (d, s) in enumerate(zip(step.diff_outputs[-1],
-                                         last.outputs.specs))
+          for i, (d, s) in enumerate(zip(
+              step.Differentiable(output),
+              step.edges[output].boundary.specs))
       ]
     v = step.Run(runs[0][1], step.Initial(_Unjoin(flat, sizes)[2]), 'step')
     outputs, final_states, d_theta, d_x, _ = step.Results(v)
-    with tf.device(last.device):
+    with tf.device(device):
       means = [tf.reduce_mean(y, 0) for y in outputs]
 
     def Grad(*d_flat, variables=None):
@@ -1017,6 +1113,7 @@ def _LossInside(new_step, flat, sizes, runs, last, num_outputs):
     return means + _Join(final_states), Grad
 
   results = Pipelined(*flat)
+  num_outputs = len(results) - sum(sizes[2])
   outputs = [results[0]] + [_NoGradient(y) for y in results[1:num_outputs]]
   final_flat = [_NoGradient(t) if stage_lib.IsDifferentiable(t) else t
                 for t in results[num_outputs:]]

@@ -61,6 +61,7 @@ class Pipeline:
                engine: str = 'unrolled',
                schedule: str = 'gpipe',
                virtual_stages: int = 1,
+               skips: Sequence[Tuple[int, Optional[int]]] = (),
                name: str = 'gpipe'):
     """Checks the configuration and builds the schedule table; no graph yet.
 
@@ -76,6 +77,12 @@ class Pipeline:
         inside).
       schedule: A key of `planning.schedule.SCHEDULES`.
       virtual_stages: v, the chunks per device.
+      skips: Skip connections, (source chunk, target chunk) pairs with source
+        < target, or (source chunk, None) into the pipeline's outputs. A
+        chunk returns, after its main outputs, one tuple of tensors per skip
+        it is the source of (in the order of `skips`); a target chunk
+        receives, after its main inputs, one such tuple per skip into it.
+        The tensors go from the source's device to the target's directly.
       name: Name scope of the pipeline's ops.
 
     Raises:
@@ -87,12 +94,15 @@ class Pipeline:
     if not stage_fns:
       raise ValueError('stage_fns is empty; a pipeline needs at least 1 stage.')
     checks.CheckPositiveInt('virtual_stages', virtual_stages)
-    if not devices or len(devices) * virtual_stages != len(stage_fns):
+    if len(stage_fns) % virtual_stages:
       raise ValueError(
-          f'devices has {len(devices)} entries {list(devices)} but there are '
-          f'{len(stage_fns)} stage functions and virtual_stages='
-          f'{virtual_stages}; give one device per {virtual_stages} stage '
-          'functions.')
+          f'{len(stage_fns)} stage functions are not a multiple of '
+          f'virtual_stages={virtual_stages}; give K * {virtual_stages}.')
+    if len(devices) * virtual_stages != len(stage_fns):
+      raise ValueError(
+          f'devices has {len(devices)} entries {list(devices)} but '
+          f'{len(stage_fns)} stage functions with virtual_stages='
+          f'{virtual_stages} need {len(stage_fns) // virtual_stages} devices.')
     checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
     checks.CheckBatchDim(batch_dim)
     if engine == 'auto':
@@ -104,6 +114,7 @@ class Pipeline:
                                          num_micro_batches, virtual_stages)
     if engine == 'unrolled':
       unrolled.CheckTable(self.table)
+    self.skips = _CheckSkips(skips, len(stage_fns))
     self._stage_fns = list(stage_fns)
     self.num_stages = len(devices)
     self.devices = list(devices)
@@ -131,8 +142,9 @@ class Pipeline:
       training: If False, nothing is set up for recompute.
 
     Returns:
-      (outputs, states): the last chunk's outputs merged along batch_dim, and
-      each chunk's state after its last micro-batch.
+      (outputs, states): the last chunk's outputs merged along batch_dim,
+      then the tensors of each skip into the output, and each chunk's state
+      after its last micro-batch.
 
     Raises:
       ValueError: if thetas or states do not have C entries, or the batch does
@@ -166,4 +178,24 @@ class Pipeline:
       return _ENGINES[self.engine](
           chunks, thetas, inputs, states, table=table,
           batch_dim=self.batch_dim, remat=self.remat, first_id=first_id,
-          training=training, loss_inside=self.loss_inside)
+          training=training, loss_inside=self.loss_inside, skips=self.skips)
+
+
+def _CheckSkips(skips: Sequence[Tuple[int, Optional[int]]],
+                num_chunks: int) -> List[Tuple[int, Optional[int]]]:
+  """Raises ValueError unless every skip goes from a chunk to a later one."""
+  checked = []
+  for skip in skips:
+    if (not isinstance(skip, (tuple, list)) or len(skip) != 2 or
+        not isinstance(skip[0], int) or
+        not (skip[1] is None or isinstance(skip[1], int))):
+      raise ValueError(f'skips={list(skips)}: {skip!r} is not a (source '
+                       'chunk, target chunk or None) pair.')
+    source, target = skip
+    if not 0 <= source < num_chunks or (
+        target is not None and not source < target < num_chunks):
+      raise ValueError(f'skips={list(skips)}: {skip!r} must go from a chunk '
+                       f'in [0, {num_chunks}) to a later chunk or None (the '
+                       'output).')
+    checked.append((source, target))
+  return checked

@@ -228,7 +228,9 @@ class Stage:
     self._stage_fn = stage_fn
     self._theta_struct = None
     self._state_struct = None
+    self._input_struct = None
     self._input_mask = None
+    self._output_struct = None
     self._output_mask = None
     self._num_state = 0
     self._checked_weights = False
@@ -264,28 +266,52 @@ class Stage:
     self._theta_struct = theta
     return [tf.identity(t) for t in tf.nest.flatten(theta)]
 
-  def FlattenCall(self, inputs: Sequence[MaybeTensor],
+  def FlattenCall(self, inputs: Sequence[Any],
                   state: Any) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
     """Records the structure of a call's inputs and state; returns them flat.
 
     Args:
-      inputs: The micro-batch's inputs, tensors or None.
+      inputs: The micro-batch's inputs: tensors or None, then (with skip
+        connections) one tuple per incoming skip.
       state: The stage's state before the call.
 
     Returns:
-      (x_tensors, state_flat): the inputs that are not None and the state's
-      tensors in `tf.nest` order.
+      (x_tensors, state_flat): the input leaves that are not None and the
+      state's tensors in `tf.nest` order.
     """
-    self._input_mask = tuple(x is not None for x in inputs)
+    self._input_struct = tuple(inputs)
+    self._input_mask = tuple(
+        x is not None for x in tf.nest.flatten(self._input_struct))
     self._state_struct = state
     state_flat = tf.nest.flatten(state)
     self._num_state = len(state_flat)
-    return [x for x in inputs if x is not None], state_flat
+    return ([x for x in tf.nest.flatten(self._input_struct) if x is not None],
+            state_flat)
 
   @property
   def output_mask(self) -> Tuple[bool, ...]:
-    """Which outputs of the body are tensors (not None); known once traced."""
+    """Which output leaves of the body are tensors (not None); once traced."""
     return self._output_mask
+
+  def OutputGroups(self, num_trailing: int) -> List[Tuple[bool, ...]]:
+    """The output leaves' masks, cut into the main outputs and trailing groups.
+
+    Args:
+      num_trailing: How many of the body's outputs (the last ones) are
+        groups of their own (skip connections leaving the stage).
+
+    Returns:
+      1 + num_trailing masks; their concatenation is `output_mask`.
+    """
+    entries = list(self._output_struct)
+    cut = len(entries) - num_trailing
+    if cut < 0:
+      raise ValueError(f'{self.name} returns {len(entries)} outputs, fewer '
+                       f'than its {num_trailing} outgoing skips.')
+    groups, leaves = [], iter(self._output_mask)
+    for part in [entries[:cut]] + [[e] for e in entries[cut:]]:
+      groups.append(tuple(next(leaves) for _ in tf.nest.flatten(part)))
+    return groups
 
   @property
   def num_state(self) -> int:
@@ -297,36 +323,39 @@ class Stage:
 
     Args:
       theta_flat: Flat weights.
-      x_tensors: The micro-batch inputs that are not None.
+      x_tensors: The micro-batch input leaves that are not None.
       state_flat: Flat state before this micro-batch.
       micro_batch_id: int64 scalar.
       pinned: Whether to place the body's ops on the stage's device.
 
     Returns:
-      (outputs, state): the body's outputs that are not None and its flat new
-      state.
+      (outputs, state): the body's output leaves that are not None and its
+      flat new state.
     """
     theta = tf.nest.pack_sequence_as(self._theta_struct, list(theta_flat))
     tensors = iter(x_tensors)
-    inputs = tuple(next(tensors) if present else None
-                   for present in self._input_mask)
+    inputs = tf.nest.pack_sequence_as(
+        self._input_struct,
+        [next(tensors) if present else None for present in self._input_mask])
     state = tf.nest.pack_sequence_as(self._state_struct, list(state_flat))
     with tf.device(self.device) if pinned else contextlib.nullcontext():
       outputs, new_state = self._stage_fn(theta, inputs, state, micro_batch_id)
     if not isinstance(outputs, (tuple, list)):
       outputs = (outputs,)
-    mask = tuple(y is not None for y in outputs)
+    leaves = tf.nest.flatten(tuple(outputs))
+    mask = tuple(y is not None for y in leaves)
     if self._output_mask is not None and mask != self._output_mask:
       raise ValueError(f'{self.name}: outputs changed from one trace to the '
                        f'next: {self._output_mask} vs {mask}.')
     self._output_mask = mask
+    self._output_struct = tf.nest.map_structure(lambda _: 0, tuple(outputs))
     new_state_flat = tf.nest.flatten(new_state)
     if len(new_state_flat) != self._num_state:
       raise ValueError(
           f'{self.name}: the stage function returned a state with '
           f'{len(new_state_flat)} tensors, expected {self._num_state} '
           'like the state it was given.')
-    return [y for y in outputs if y is not None], new_state_flat
+    return [y for y in leaves if y is not None], new_state_flat
 
   def _Forward(self, theta_flat, x_tensors, state_flat, micro_batch_id):
     y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id,
@@ -398,10 +427,11 @@ class Stage:
         theta = [] if last else [tf.identity(t) for t in chain.theta]
     num_y = len(results) - self._num_state
     y_iter = iter(results[:num_y])
-    outputs = [next(y_iter) if present else None
-               for present in self._output_mask]
+    outputs = tf.nest.pack_sequence_as(
+        self._output_struct,
+        [next(y_iter) if present else None for present in self._output_mask])
     new_state = tf.nest.pack_sequence_as(state, results[num_y:])
-    return outputs, new_state, Chain(token, theta)
+    return list(outputs), new_state, Chain(token, theta)
 
   def CheckNoCapturedWeights(self, *args) -> None:
     """Raises if the traced body reads trainable variables not in theta.

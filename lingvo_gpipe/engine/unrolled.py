@@ -50,7 +50,8 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
         inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
         table: schedule.Table, batch_dim: int, remat: str,
         first_id: tf.Tensor, training: bool,
-        loss_inside: bool = False
+        loss_inside: bool = False,
+        skips: Sequence[Tuple[int, Optional[int]]] = ()
        ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
   """Builds the C x M chunk calls of one step in table order.
 
@@ -66,10 +67,14 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
     training: If False, no call is set up for recompute.
     loss_inside: Must be False: schedules with the loss inside run on the
       loop engine (`schedule.CheckEngine`).
+    skips: (source chunk, target chunk or None) pairs (`pipeline.Pipeline`):
+      the skip's tuple goes from the source's call to the target's call of
+      the same micro-batch, device to device.
 
   Returns:
-    (outputs, states): the last chunk's outputs merged along batch_dim and
-    each chunk's state after its last micro-batch.
+    (outputs, states): the last chunk's outputs merged along batch_dim, then
+    the tensors of each skip into the output, and each chunk's state after
+    its last micro-batch.
 
   Raises:
     ValueError: if the table's backward is not its forward reversed.
@@ -95,16 +100,31 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
     thetas_passed.append(chain.theta)
     k = table.Device(c)
     tokens[k] = chain.token if tokens[k] is None else tokens[k]
-  outputs = {}
+  outgoing = [[s for s, (a, _) in enumerate(skips) if a == c]
+              for c in range(num_chunks)]
+  incoming = [[s for s, (_, b) in enumerate(skips) if b == c]
+              for c in range(num_chunks)]
+  outputs, skipped = {}, {}
   for k, (_, c, m) in forward:
     x = micro_inputs[m] if c == 0 else outputs.pop((c - 1, m))
+    x = tuple(x) + tuple(skipped.pop((s, m)) for s in incoming[c])
     with tf.device(chunks[c].device), tf.name_scope(f'chunk{c}_mb{m}'):
-      outputs[c, m], states[c], chain = chunks[c].Call(
+      y, states[c], chain = chunks[c].Call(
           stage_lib.Chain(tokens[k], thetas_passed[c]), x, states[c],
           first_id + m, remat=training and recomputes[c, m],
           last=m == last_call[c])
     tokens[k], thetas_passed[c] = chain.token, chain.theta
+    cut = len(y) - len(outgoing[c])
+    outputs[c, m] = y[:cut]
+    for s, value in zip(outgoing[c], y[cut:]):
+      skipped[s, m] = value
   with tf.device(chunks[-1].device):
     merged = microbatch.Merge(
         [outputs[num_chunks - 1, m] for m in range(num_micro)], batch_dim)
+  for s, (source, target) in enumerate(skips):
+    if target is None:
+      with tf.device(chunks[source].device):
+        merged += microbatch.Merge(
+            [tf.nest.flatten(skipped[s, m]) for m in range(num_micro)],
+            batch_dim)
   return merged, states
