@@ -19,6 +19,8 @@ from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 
+from lingvo_gpipe.planning import config
+
 
 def _ToTuple(x):
   return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -106,34 +108,88 @@ class StageBoundaries:
     return self.structs[-1]
 
 
+class SkipValues:
+  """The structures of the skips that cross chunks (filled when traced).
+
+  The engine passes a skip's tensors as a flat tuple; its source's outputs
+  may be a tuple with None or a NestedMap. The source chunk records each
+  skip's structure here when it is traced, before its target is.
+
+  Attributes:
+    skips: The layer's `config.Skips`.
+    structs: {skip index: the structure of its source's outputs}.
+  """
+
+  def __init__(self, skips: config.Skips):
+    self.skips = skips
+    self.structs = {}
+
+  def Incoming(self, chunk: int) -> List[int]:
+    """The skips into `chunk` from another chunk, in the engine's order."""
+    return [s for s in self._Crossing() if self.skips.chunk_skips[
+        self.skips.crossing[s]][1] == chunk]
+
+  def Outgoing(self, chunk: int) -> List[int]:
+    """The skips that leave `chunk`, in the engine's order."""
+    return [s for s in self._Crossing() if self.skips.chunk_skips[
+        self.skips.crossing[s]][0] == chunk]
+
+  def ToOutput(self) -> List[int]:
+    """The skips into the pipeline's output, in the engine's order."""
+    return [s for s in self._Crossing()
+            if self.skips.chunk_skips[self.skips.crossing[s]][1] is None]
+
+  def Pack(self, s: int, flat: Sequence[Any]) -> Any:
+    """Skip s's tensors, back in its source's output structure."""
+    return tf.nest.pack_sequence_as(self.structs[s], list(flat))
+
+  def _Crossing(self) -> List[int]:
+    return sorted((s for s, c in enumerate(self.skips.crossing)
+                   if c is not None), key=lambda s: self.skips.crossing[s])
+
+
 def StageFunction(cells: Sequence[base_layer.BaseLayer],
                   boundaries: Optional[StageBoundaries] = None,
-                  stage: int = 0) -> Callable[..., Tuple[Any, Any]]:
+                  stage: int = 0,
+                  first_cell: int = 0,
+                  skips: Optional[SkipValues] = None
+                 ) -> Callable[..., Tuple[Any, Any]]:
   """The engine's stage function for a run of Lingvo cells.
 
   Args:
     cells: The stage's cells, in order; cell i's outputs are cell i + 1's
-      inputs.
+      inputs (followed by the outputs of the cells that skip to it).
     boundaries: With nested_map_fprop, the boundary structures (the stage
       reads entry `stage` and fills entry `stage + 1`); None for positional
       FProp arguments.
-    stage: The stage index k.
+    stage: The chunk index.
+    first_cell: The index of the chunk's first cell among all cells.
+    skips: The layer's skip connections, or None.
 
   Returns:
     A function (theta, inputs, state, micro_batch_id) -> (outputs, state):
     theta and state are NestedMaps keyed by cell name; inputs and outputs are
-    flat tuples.
+    flat tuples, followed by one tuple per skip into or out of the chunk.
   """
+  incoming = skips.Incoming(stage) if skips else []
+  outgoing = skips.Outgoing(stage) if skips else []
+  skip_cells = skips.skips.cells if skips else []
 
   def StageFn(theta, inputs, state, micro_batch_id):
+    inputs = tuple(inputs)
+    main = inputs[:len(inputs) - len(incoming)]
+    values = {s: skips.Pack(s, flat)
+              for s, flat in zip(incoming, inputs[len(main):])}
     if boundaries is None:
-      args = inputs
+      args = main
     else:
-      args = (boundaries.structs[stage].Pack(list(inputs)),)
+      args = (boundaries.structs[stage].Pack(list(main)),)
     new_state = py_utils.NestedMap()
     with MicroBatchSeeds(micro_batch_id):
-      for cell in cells:
+      for i, cell in enumerate(cells, first_cell):
         name = cell.params.name
+        args += tuple(y for s, (_, target) in enumerate(skip_cells)
+                      if target == i for y in values[s])
         # Accumulators hold tensors of this trace only while it runs; the
         # values outside (set after the pipeline, or unset) must survive
         # later traces, such as the backward pass's recompute.
@@ -143,9 +199,16 @@ def StageFunction(cells: Sequence[base_layer.BaseLayer],
         args = _ToTuple(cell.FProp(theta[name], *args))
         new_state[name] = cell.GetAccumulatorValues()
         restore()
+        for s, (source, _) in enumerate(skip_cells):
+          if source == i:
+            values[s] = args
+    sent = []
+    for s in outgoing:
+      skips.structs[s] = values[s]
+      sent.append(tuple(tf.nest.flatten(values[s])))
     if boundaries is not None:
       boundaries.structs[stage + 1] = args[0]
-      return args[0].Flatten(), new_state
-    return args, new_state
+      return tuple(args[0].Flatten()) + tuple(sent), new_state
+    return args + tuple(sent), new_state
 
   return StageFn

@@ -13,6 +13,7 @@ between pipeline shapes and the plain sequential model. The pipeline shape
 """
 
 from absl import logging
+from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import bn_layers
 from lingvo.core import py_utils
@@ -82,6 +83,12 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         'are cut into K * v chunks and chunk c runs on device c mod K, so a '
         'micro-batch passes the devices v times (circular pipeline). The '
         'bubble falls to (K - 1) / (M v + K - 1) when K divides M.')
+    p.Define(
+        'skips', [], 'Skip connections: (from_cell, to_cell) cell names; the '
+        "outputs of from_cell are appended to to_cell's inputs (after the "
+        'outputs of the cell before it, in the order of this list), or, with '
+        "to_cell None, to the layer's outputs. The tensors go from "
+        "from_cell's device to to_cell's directly.")
     p.Define(
         'schedule', 'gpipe', "The order of the step: 'gpipe' (all forwards, "
         "the loss after the pipeline, all backwards) or '1f1b' (the last "
@@ -181,7 +188,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     shape = config.CheckShape(
         [c.name for c in p.cell_tpl], p.num_stages, p.virtual_stages,
         p.partition, p.num_micro_batches, p.micro_batch_size, p.batch_dim,
-        p.remat, p.engine, p.schedule)
+        p.remat, p.engine, p.schedule, p.skips)
     placement.CheckDevices(p.devices, shape.num_stages)
     return shape
 
@@ -332,9 +339,13 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     stage_cells = config.ChunkCells(self._cells, self._partition)
     boundaries = (cells_lib.StageBoundaries(self.num_chunks, args[0])
                   if p.nested_map_fprop else None)
+    skips = cells_lib.SkipValues(config.ChunkSkips(
+        config.CheckSkips([c.params.name for c in self._cells], p.skips),
+        self._partition))
+    firsts = [sum(self._partition[:k]) for k in range(self.num_chunks)]
     stage_fns = [
-        cells_lib.StageFunction(cells, boundaries, k)
-        for k, cells in enumerate(stage_cells)
+        cells_lib.StageFunction(cells, boundaries, k, first, skips)
+        for k, (cells, first) in enumerate(zip(stage_cells, firsts))
     ]
     thetas = [
         py_utils.NestedMap({c.params.name: theta[c.params.name] for c in cells})
@@ -354,6 +365,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         engine=self.Engine(num_micro),
         schedule=p.schedule,
         virtual_stages=p.virtual_stages,
+        skips=skips.skips.chunk_skips,
         name='gpipe')
     outputs, states = engine(
         thetas,
@@ -367,6 +379,12 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       for cells, state in zip(stage_cells, states):
         for cell in cells:
           cell.SetAccumulatorValues(state[cell.params.name])
+    extra = []  # The skips into the output, each as its cell returned it.
+    for s in reversed(skips.ToOutput()):
+      size = len(tf.nest.flatten(skips.structs[s]))
+      extra.insert(0, skips.Pack(s, outputs[len(outputs) - size:]))
+      outputs = outputs[:len(outputs) - size]
     if p.nested_map_fprop:
-      return boundaries.last.Pack(outputs)
+      outputs = [boundaries.last.Pack(outputs)]
+    outputs = list(outputs) + [y for value in extra for y in value]
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -12,7 +12,7 @@ value and what would be valid, the same from either front end.
     shape.counts    # [1, 1, 1, 1]: cells per chunk; chunk c on device c % 2
 """
 
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from lingvo_gpipe.planning import checks
 from lingvo_gpipe.planning import partition as partition_lib
@@ -41,6 +41,82 @@ class Shape(NamedTuple):
     return self.num_stages * self.virtual_stages
 
 
+class Skips(NamedTuple):
+  """Skip connections by cell index, and how they cross the chunks.
+
+  Attributes:
+    cells: Per skip, (source cell, target cell or None: the output).
+    chunk_skips: The skips that leave their source's chunk, as (source
+      chunk, target chunk or None) pairs in order (what the engine routes).
+    crossing: Per skip, its index in chunk_skips, or None if it stays in
+      one chunk.
+  """
+  cells: List[Tuple[int, Optional[int]]]
+  chunk_skips: List[Tuple[int, Optional[int]]]
+  crossing: List[Optional[int]]
+
+
+def CheckSkips(cell_names: Sequence[str],
+               skips: Sequence[Tuple[str, Optional[str]]]
+              ) -> List[Tuple[int, Optional[int]]]:
+  """Cell indices of (from_cell, to_cell) skips; ValueError naming `skips`.
+
+  Args:
+    cell_names: The cells' names, in order.
+    skips: (from_cell, to_cell) names; to_cell None means the pipeline's
+      output. to_cell must come after from_cell.
+
+  Returns:
+    (source index, target index or None) pairs.
+
+  Raises:
+    ValueError: for a malformed pair, an unknown name, a skip to itself or
+      backwards.
+  """
+  index = {name: i for i, name in enumerate(cell_names)}
+  result = []
+  for skip in skips or ():
+    if not isinstance(skip, (tuple, list)) or len(skip) != 2:
+      raise ValueError(f'skips={list(skips)}: {skip!r} is not a (from_cell, '
+                       'to_cell) pair of cell names (to_cell None: the '
+                       'output).')
+    source, target = skip
+    for name in (source, target) if target is not None else (source,):
+      if name not in index:
+        raise ValueError(f'skips={list(skips)}: {name!r} is not a cell; '
+                         f'the cells are {list(cell_names)}.')
+    if target is not None and index[target] <= index[source]:
+      raise ValueError(f'skips={list(skips)}: {skip!r} goes to itself or '
+                       'backwards; to_cell must come after from_cell.')
+    result.append((index[source],
+                   None if target is None else index[target]))
+  return result
+
+
+def ChunkSkips(skip_cells: Sequence[Tuple[int, Optional[int]]],
+               counts: Sequence[int]) -> Skips:
+  """How skips between cells cross the chunks of a partition.
+
+  Args:
+    skip_cells: From `CheckSkips`.
+    counts: Cells per chunk.
+
+  Returns:
+    The `Skips`.
+  """
+  chunk_of = [c for c, count in enumerate(counts) for _ in range(count)]
+  chunk_skips, crossing = [], []
+  for source, target in skip_cells:
+    a = chunk_of[source]
+    b = None if target is None else chunk_of[target]
+    if b == a:
+      crossing.append(None)
+    else:
+      crossing.append(len(chunk_skips))
+      chunk_skips.append((a, b))
+  return Skips(list(skip_cells), chunk_skips, crossing)
+
+
 def CheckShape(cell_names: Sequence[str],
                num_stages: Optional[int] = None,
                virtual_stages: int = 1,
@@ -50,7 +126,8 @@ def CheckShape(cell_names: Sequence[str],
                batch_dim: int = 0,
                remat: str = 'always',
                engine: str = 'auto',
-               schedule_name: str = 'gpipe') -> Shape:
+               schedule_name: str = 'gpipe',
+               skips: Sequence[Tuple[str, Optional[str]]] = ()) -> Shape:
   """Checks a pipeline's parameters; returns how its cells are cut.
 
   Args:
@@ -64,6 +141,7 @@ def CheckShape(cell_names: Sequence[str],
     remat: One of `schedule.REMAT_MODES`.
     engine: 'auto' or one of `schedule.ENGINES`.
     schedule_name: A key of `schedule.SCHEDULES`.
+    skips: (from_cell, to_cell or None) names (`CheckSkips`).
 
   Returns:
     The `Shape`.
@@ -114,6 +192,7 @@ def CheckShape(cell_names: Sequence[str],
   if micro_batch_size is not None:
     checks.CheckPositiveInt('micro_batch_size', micro_batch_size)
   checks.CheckBatchDim(batch_dim)
+  CheckSkips(names, skips)
   if micro_batch_size is None:  # M is known: the table must exist.
     schedule.BuildTable(schedule_name, num_stages, num_micro_batches,
                         virtual_stages)
