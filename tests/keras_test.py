@@ -192,8 +192,8 @@ def _SeedStates(layers):
   return [v.numpy() for layer in layers for v in layer.non_trainable_variables]
 
 
-@pytest.mark.parametrize('mode',
-                         ['function', pytest.param('xla', marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    'mode', ['function', pytest.param('xla', marks=pytest.mark.slow)])
 def testDropoutReplaysExactlyInTheRecompute(mode):
   """Same seeds, same masks: remat 'always' and 'never' agree exactly."""
   results = {}
@@ -287,18 +287,29 @@ def testBatchNormInFit():
   engine_util.AssertTransparent(_MovingStats(pipe), _MovingStats(plain))
 
 
+def _MixedLayers():
+  return [
+      keras.layers.Dense(DIM, name='dense0'),
+      keras.layers.BatchNormalization(name='bn'),
+      keras.layers.Dense(DIM, activation='tanh', name='dense1'),
+      keras.layers.Dropout(0.2, seed=5, name='dropout'),
+      keras.layers.Dense(DIM, name='dense2'),
+  ]
+
+
 def testSaveAtFourStagesLoadAtTwo(tmp_path):
   x = Inputs()
-  plain_body, four = Models(_BatchNormLayers, num_stages=3,
-                            num_micro_batches=4)
+  plain_body, four = Models(_MixedLayers, num_stages=4, num_micro_batches=4)
   model = _Compiled(four, False)
   model.fit(x, Inputs(BATCH, 1, seed=1), batch_size=BATCH, verbose=0)
   expected = model.predict(x, verbose=0)
   # save_weights / load_weights into another pipeline shape.
   path = str(tmp_path / 'four.weights.h5')
   model.save_weights(path)
-  _, two = Models(_BatchNormLayers, num_stages=2, num_micro_batches=2)
+  _, two = Models(_MixedLayers, num_stages=2, num_micro_batches=2)
   other = _Compiled(two, False)
+  # Its head is a fresh Dense; the body has the weights before the step.
+  assert np.max(np.abs(other.predict(x, verbose=0) - expected)) > 1e-3
   other.load_weights(path)
   np.testing.assert_allclose(other.predict(x, verbose=0), expected,
                              rtol=1e-6)
@@ -306,12 +317,12 @@ def testSaveAtFourStagesLoadAtTwo(tmp_path):
   keras_path = str(tmp_path / 'four.keras')
   model.save(keras_path)
   loaded = keras.models.load_model(keras_path)
-  assert loaded.layers[0].num_stages == 3
-  assert loaded.layers[0].partition == [1, 1, 1]
+  assert loaded.layers[0].num_stages == 4
+  assert loaded.layers[0].partition == [2, 1, 1, 1]
   np.testing.assert_allclose(loaded.predict(x, verbose=0), expected,
                              rtol=1e-6)
   # Weights of a .keras file into another shape, and into the plain model.
-  third = _Compiled(Models(_BatchNormLayers, num_stages=2)[1], False)
+  third = _Compiled(Models(_MixedLayers, num_stages=2)[1], False)
   third.load_weights(keras_path)
   np.testing.assert_allclose(third.predict(x, verbose=0), expected,
                              rtol=1e-5, atol=1e-6)
@@ -331,16 +342,44 @@ def testPartitionByParams():
   assert pipe.partition == [1, 5]
 
 
+class _Heavy(keras.layers.Layer):
+  """No weights, much work: 16 matmuls with a constant."""
+
+  def call(self, x):
+    w = tf.constant(np.eye(x.shape[-1], dtype=np.float32) * 0.5)
+    for _ in range(16):
+      x = tf.tanh(tf.matmul(x, w))
+    return x
+
+
 def testPartitionByProfile():
-  layers = [keras.layers.Dense(d, name=f'dense{i}')
-            for i, d in enumerate([512, 512, 4, 4])]
-  pipe = GPipeSequential(layers, num_stages=2, num_micro_batches=2,
+  """Timed costs see the weightless heavy layers that 'params' ignores."""
+
+  def Layers():
+    return [_Heavy(name='heavy0'), _Heavy(name='heavy1'),
+            keras.layers.Dense(256, name='dense0'),
+            keras.layers.Dense(256, name='dense1')]
+
+  by_params = GPipeSequential(Layers(), num_stages=2, partition='params')
+  by_params.build((None, 256))
+  assert by_params.partition == [3, 1]
+  pipe = GPipeSequential(Layers(), num_stages=2, num_micro_batches=2,
                          partition='profile')
-  model = keras.Sequential([keras.Input((512,), batch_size=64), pipe])
+  model = keras.Sequential([keras.Input((256,), batch_size=512), pipe])
   assert pipe.partition is None
-  model(np.ones([64, 512], np.float32), training=True)
-  assert len(pipe.partition) == 2 and sum(pipe.partition) == 4
-  assert pipe.partition[0] <= 2  # The two 512 x 512 layers are split up.
+  model(np.ones([512, 256], np.float32), training=True)
+  assert pipe.partition == [1, 3]
+  # Without a static batch size there is no micro-batch to time.
+  dynamic = GPipeSequential(Layers(), num_stages=2, partition='profile')
+  dynamic.build((None, 256))
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 256])])
+  def Call(x):
+    return dynamic(x, training=True)
+
+  with pytest.raises(ValueError, match="partition='profile' .* needs a "
+                     'static batch size'):
+    Call(np.ones([4, 256], np.float32))
 
 
 def testCompiledByXlaPicksTheLoopEngine():
@@ -410,14 +449,36 @@ def testBatchThatMDoesNotDivide():
     (lambda: keras.layers.BatchNormalization(synchronized=True, name='bn'),
      "'bn' .*synchronized=True.*use synchronized=False"),
     (lambda: keras.layers.ActivityRegularization(l1=0.1, name='reg'),
-     "'reg' .*adds losses in its call"),
+     "'reg' .*has an activity regularizer"),
+    (lambda: keras.Sequential(
+        [keras.layers.Dense(DIM, activity_regularizer='l2', name='inner')],
+        name='block'),
+     "'inner' .*inside 'block'.*has an activity regularizer"),
 ])
-def testUnsupportedLayersRaise(make_layer, message):
-  pipe = GPipeSequential([keras.layers.Dense(DIM, name='dense'), make_layer()],
+def testUnsupportedLayersRaiseAtConstruction(make_layer, message):
+  with pytest.raises(ValueError, match=message):
+    GPipeSequential([keras.layers.Dense(DIM, name='dense'), make_layer()],
+                    num_stages=2)
+
+
+class _AddsLoss(keras.layers.Layer):
+
+  def call(self, x):
+    self.add_loss(tf.reduce_sum(x))
+    return x
+
+
+@pytest.mark.parametrize('make_layer,message', [
+    (lambda: _AddsLoss(name='adds'), "'adds' .*adds losses in its call"),
+    (lambda: keras.layers.Embedding(4, DIM, mask_zero=True, name='emb'),
+     "'emb' .*returns a mask"),
+])
+def testUnsupportedCallsRaise(make_layer, message):
+  pipe = GPipeSequential([make_layer(), keras.layers.Dense(DIM, name='dense')],
                          num_stages=2)
   pipe.build((None, DIM))
   with pytest.raises(ValueError, match=message):
-    pipe(Inputs(), training=True)
+    pipe(np.ones([BATCH, DIM], np.float32), training=True)
 
 
 def testFrozenBatchNormIsAConstant():

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.keras import stages
 from lingvo_gpipe.planning import timing
 
 METHODS = ('params', 'profile')
@@ -45,9 +46,9 @@ def _SampleInput(shape: Sequence[int], dtype: tf.DType) -> tf.Tensor:
 def _TimeLayer(layer: keras.layers.Layer, x: tf.Tensor, num_warmup: int,
                num_runs: int):
   """Times one layer's forward + gradients; returns (seconds, its output)."""
-  trainable = [tf.convert_to_tensor(v) for v in layer.trainable_variables]
-  non_trainable = [tf.convert_to_tensor(v)
-                   for v in layer.non_trainable_variables]
+  variables = stages.LayerVariables(layer)
+  trainable = [tf.convert_to_tensor(v) for v in variables.trainable]
+  non_trainable = [tf.convert_to_tensor(v) for v in variables.non_trainable]
 
   @tf.function(autograph=False)
   def Step(trainable, non_trainable, x):
@@ -55,7 +56,8 @@ def _TimeLayer(layer: keras.layers.Layer, x: tf.Tensor, num_warmup: int,
       tape.watch(trainable)
       if x.dtype.is_floating:
         tape.watch(x)
-      y, _ = layer.stateless_call(trainable, non_trainable, x, training=True)
+      # Called as in the pipeline (`stages`), with the layer's values.
+      y, _, _ = variables.Call(trainable, non_trainable, x, training=True)
       loss = tf.reduce_sum(tf.square(tf.cast(y, tf.float32)))
     wrt = trainable + ([x] if x.dtype.is_floating else [])
     grads = tape.gradient(loss, wrt,

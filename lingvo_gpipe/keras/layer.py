@@ -3,7 +3,8 @@
     pipe = GPipeSequential([keras.layers.Dense(256, activation='relu')
                             for _ in range(8)],
                            num_stages=4, num_micro_batches=8)
-    model = keras.Sequential([keras.Input((256,)), pipe, keras.layers.Dense(10)])
+    model = keras.Sequential([keras.Input((256,)), pipe,
+                              keras.layers.Dense(10)])
     model.compile('sgd', 'mse')
     model.fit(x, y, batch_size=64)
 
@@ -154,6 +155,7 @@ class GPipeSequential(keras.layers.Layer):
           'which GPipeSequential (a layer before the loss) cannot; use '
           "schedule='gpipe'.")
     placement.CheckDevices(devices, shape.num_stages)
+    stages.CheckLayers(layers)
     self._layers_list = layers
     self.num_stages = shape.num_stages
     self.num_micro_batches = num_micro_batches

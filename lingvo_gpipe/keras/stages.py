@@ -80,6 +80,31 @@ def CheckBatchNorm(bn: keras.layers.BatchNormalization,
         'updates the moving statistics from its whole mini-batch.')
 
 
+def CheckLayers(layers: Sequence[keras.layers.Layer]) -> None:
+  """Raises for what the pipeline cannot run, before anything is built.
+
+  Checks every layer at any depth: batch norm options (`CheckBatchNorm`) and
+  activity regularizers, whose losses a call adds.
+
+  Args:
+    layers: The pipeline's layers.
+
+  Raises:
+    ValueError: naming the layer and what to use instead.
+  """
+  for layer in layers:
+    for sub in SubLayers(layer):
+      if isinstance(sub, keras.layers.BatchNormalization):
+        CheckBatchNorm(sub, layer)
+      if getattr(sub, 'activity_regularizer', None) is not None:
+        where = '' if sub is layer else f' inside {_Describe(layer)}'
+        raise ValueError(
+            f'Layer {_Describe(sub)}{where} has an activity regularizer, '
+            'whose loss the pipeline cannot return per micro-batch; use '
+            'weight regularizers, or compute the loss outside '
+            'GPipeSequential.')
+
+
 def _AcceptsTraining(layer: keras.layers.Layer) -> bool:
   """Whether `layer.call` takes a `training` argument."""
   parameters = inspect.signature(layer.call).parameters
@@ -87,7 +112,7 @@ def _AcceptsTraining(layer: keras.layers.Layer) -> bool:
       p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-class _LayerVariables:
+class LayerVariables:
   """How one Keras layer's variables travel through the pipeline.
 
   Attributes:
@@ -247,7 +272,7 @@ class Chunk:
       ValueError: for a batch norm the pipeline cannot honour.
     """
     self.layers = list(layers)
-    self._vars = [_LayerVariables(layer) for layer in self.layers]
+    self._vars = [LayerVariables(layer) for layer in self.layers]
     self._batch_norms = [bn for v in self._vars for bn in v.batch_norms]
     # Which state entries a trace of the stage assigned (per layer, per
     # entry): only those are written back after the step.
