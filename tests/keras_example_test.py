@@ -1,4 +1,4 @@
-"""tools/keras_example.py trains a Keras model through model.fit, as documented."""
+"""tools/keras_example.py trains a Keras model with model.fit, as documented."""
 
 import json
 import re
@@ -18,6 +18,8 @@ RUNS = {
         '--epochs=2', '--save_to={tmp}/pipe.keras',
         '--json_out={tmp}/numbers.json'
     ],
+    # The command of README.md and docs/keras.md, exactly.
+    'documented': ['train'],
     'bad_batch': ['train', '--batch_size=60'],
     'bad_save': ['train', '--save_to={tmp}/pipe.h5'],
 }
@@ -48,6 +50,19 @@ def testTrainsOnTwoDevicesAndReloads(runs):
   assert numbers['loss'][1] < numbers['loss'][0]
   assert numbers['reload_max_difference'] == 0.0
   assert re.search(r'reloaded: .*pipe\.keras, max difference 0\n', stdout)
+
+
+def testDocumentedCommandLearns(runs):
+  code, stdout, stderr = runs['documented']
+  assert code == 0, stderr
+  match = re.search(
+      r"trained: K=4 M=8 devices \['/device:CPU:0', '/device:CPU:1', "
+      r"'/device:CPU:2', '/device:CPU:3'\] partition \[6, 6, 6, 6\]: "
+      r'loss ([\d.]+) -> ([\d.]+), accuracy ([\d.]+)', stdout)
+  assert match, stdout
+  first, last, accuracy = (float(g) for g in match.groups())
+  assert last < first
+  assert accuracy > 0.2  # Chance is 0.1.
 
 
 @pytest.mark.parametrize('name,message', [

@@ -100,9 +100,14 @@ def Data(samples: int, seed: int = 0):
 
 
 def BuildModel(num_stages: int):
-  """The Keras model: Input -> GPipeSequential(blocks) -> Dense(10)."""
-  import keras  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.keras import GPipeSequential  # pylint: disable=g-import-not-at-top
+  """The Keras model: Input -> GPipeSequential(blocks) -> Dense(10).
+
+  Keras is imported here, once `LocalDevices` has configured the devices.
+  """
+  # pylint: disable=g-import-not-at-top
+  import keras
+  from lingvo_gpipe.keras import GPipeSequential
+  # pylint: enable=g-import-not-at-top
   body = []
   for i in range(FLAGS.num_blocks):
     body += [
