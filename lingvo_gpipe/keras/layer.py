@@ -12,8 +12,9 @@ The Keras front end of the engine that also runs `GPipeSequentialLayer`: the
 same checks and error messages (`planning.config`), partitions
 (`planning.partition`, `planning.report`), engine choice
 (`planning.schedule.ChooseEngine`), placement (`engine.placement`) and
-pipeline (`engine.pipeline`). Only the cells differ: Keras layers through
-`stateless_call` (`keras/stages.py`).
+pipeline (`engine.pipeline`). Only the cells differ: Keras layers called
+statelessly, their seeds and batch-norm statistics as stage state
+(`keras/stages.py`).
 
 Its variables are the layers' own, created in the layer's name scope as a
 `keras.Sequential` of the same name would create them: the same order, names

@@ -2,9 +2,11 @@
 
 A chunk of the pipeline is a run of Keras layers. `Chunk` turns it into the
 engine's contract `(theta, inputs, state, micro_batch_id) -> (outputs,
-state)` through each layer's `stateless_call(trainable, non_trainable, x)`,
-which returns the output and the layer's new non-trainable values. Every
-variable reaches the layer explicitly, in one of three roles:
+state)` by calling each layer statelessly: what `layer.stateless_call(
+trainable, non_trainable, x)` does (a `keras.StatelessScope` that maps every
+variable to a given value and collects the values the call assigns), through
+the layer's `__call__` as `keras.Sequential` calls it. Every variable reaches
+the layer explicitly, in one of three roles:
 
 * trainable weights travel in `theta`, so the engine's gradients reach the
   variables;
