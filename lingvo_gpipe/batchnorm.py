@@ -27,42 +27,12 @@ from lingvo.core import base_layer
 from lingvo.core import bn_layers
 from lingvo.core import py_utils
 
-# Rows of the accumulated moments: [3, dim] = (count, mean, variance).
-_COUNT, _MEAN, _VARIANCE = 0, 1, 2
+from lingvo_gpipe.engine import moments as moments_lib
 
-
-def CombineMoments(a, b):
-  """Moments of the union of two disjoint sets of samples (Chan et al.).
-
-  Each argument is a [3, dim] tensor of rows (count, mean, variance), the
-  variance being the population variance (divided by count), as Lingvo's
-  `bn_layers.ComputeMoments` returns it. Combining means and variances is
-  exact and, unlike sums of squares, free of cancellation when the mean is
-  large compared with the standard deviation. A side with count 0 is ignored
-  exactly, so folding a single micro-batch into the zero initial value gives
-  back its moments bit for bit.
-
-  Args:
-    a: [3, dim] moments of the first set.
-    b: [3, dim] moments of the second set.
-
-  Returns:
-    [3, dim] moments of both sets together.
-  """
-  count_a, mean_a, var_a = a[_COUNT], a[_MEAN], a[_VARIANCE]
-  count_b, mean_b, var_b = b[_COUNT], b[_MEAN], b[_VARIANCE]
-  count = count_a + count_b
-  safe_count = tf.maximum(count, tf.ones_like(count))
-  weight_a, weight_b = count_a / safe_count, count_b / safe_count
-  delta = mean_b - mean_a
-  mean = mean_a + weight_b * delta
-  variance = (weight_a * var_a + weight_b * var_b +
-              weight_a * weight_b * tf.square(delta))
-  merged = tf.stack([count, mean, variance])
-  zeros = tf.zeros_like(count)
-  a_empty = tf.broadcast_to(tf.equal(count_a, zeros)[tf.newaxis], tf.shape(a))
-  b_empty = tf.broadcast_to(tf.equal(count_b, zeros)[tf.newaxis], tf.shape(b))
-  return tf.where(a_empty, b, tf.where(b_empty, a, merged))
+# Rows of the accumulated moments: [3, dim] = (count, mean, variance); the
+# combination is shared with the Keras front end (`engine.moments`).
+_MEAN, _VARIANCE = moments_lib.MEAN, moments_lib.VARIANCE
+CombineMoments = moments_lib.CombineMoments
 
 
 class MomentsAccumulator(base_layer.Accumulator):

@@ -29,13 +29,13 @@ import numpy as np
 
 from lingvo_gpipe.planning import config
 from lingvo_gpipe.planning import planner
+from lingvo_gpipe.planning import timing
 
 METHODS = config.COST_PARTITIONS
 
-# Timing repetitions of the 'profile' method: the first runs warm up caches and
-# kernels, the median of the rest is the cell's cost.
-PROFILE_WARMUP_RUNS = 2
-PROFILE_TIMED_RUNS = 7
+# Timing repetitions of the 'profile' method (shared with the Keras layer).
+PROFILE_WARMUP_RUNS = timing.PROFILE_WARMUP_RUNS
+PROFILE_TIMED_RUNS = timing.PROFILE_TIMED_RUNS
 
 
 def _Describe(cell: base_layer.BaseLayer) -> str:
@@ -222,16 +222,10 @@ def _TimeCell(cell: base_layer.BaseLayer, inputs: tuple, num_warmup: int,
     with tf.compat.v1.Session(graph=graph) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       values = iter(sess.run(fetched, feed_dict=feed))
-      for _ in range(num_warmup):
-        sess.run(step, feed_dict=feed)
-      seconds = []
-      for _ in range(num_runs):
-        start = time.perf_counter()
-        sess.run(step, feed_dict=feed)
-        seconds.append(time.perf_counter() - start)
+      seconds = timing.MedianSeconds(
+          lambda: sess.run(step, feed_dict=feed), num_warmup, num_runs)
   numpy_outputs = [None if y is None else next(values) for y in flat_outputs]
-  return (float(np.median(seconds)),
-          tf.nest.pack_sequence_as(outputs, numpy_outputs))
+  return seconds, tf.nest.pack_sequence_as(outputs, numpy_outputs)
 
 
 def ProfileTimes(cells: Sequence[base_layer.BaseLayer],
@@ -259,14 +253,12 @@ def ProfileTimes(cells: Sequence[base_layer.BaseLayer],
     ValueError: if num_runs < 1 or num_warmup < 0.
   """
   _CheckCells(cells)
-  if num_runs < 1 or num_warmup < 0:
-    raise ValueError(f'num_runs={num_runs} must be >= 1 and num_warmup='
-                     f'{num_warmup} >= 0.')
+  timing.CheckRuns(num_warmup, num_runs)
   inputs = _AsTuple(sample_inputs)
   times = []
   for cell in cells:
     seconds, outputs = _TimeCell(cell, inputs, num_warmup, num_runs)
-    times.append(max(seconds, 1e-9))
+    times.append(seconds)
     inputs = _AsTuple(outputs)
   return times
 

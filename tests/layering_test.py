@@ -54,6 +54,19 @@ def testEngineImportsNoLingvo():
 
 
 @pytest.mark.slow
+def testKerasFrontEndImportsNoLingvo():
+  """`import lingvo_gpipe.keras` serves Keras users who have no Lingvo."""
+  # Listed from the folder: importing it here would hide what it loads.
+  modules = ['lingvo_gpipe.keras'] + [
+      f'lingvo_gpipe.keras.{m.name}'
+      for m in pkgutil.iter_modules([os.path.join(PACKAGE_DIR, 'keras')])]
+  assert len(modules) >= 5
+  loaded = _LoadedAfterImport(modules)
+  assert {'tensorflow', 'keras'} <= loaded
+  assert 'lingvo' not in loaded, loaded
+
+
+@pytest.mark.slow
 def testPackageImportLoadsNeither():
   loaded = _LoadedAfterImport(['lingvo_gpipe'])
   assert not loaded & {'tensorflow', 'lingvo'}, loaded
@@ -117,6 +130,14 @@ def testNoImportCycles():
     ('lingvo_gpipe.planning', 'lingvo_gpipe.layers'),
     ('lingvo_gpipe.engine', 'lingvo_gpipe.layers'),
     ('lingvo_gpipe.engine', 'lingvo_gpipe.cells'),
+    ('lingvo_gpipe.engine', 'lingvo_gpipe.keras'),
+    ('lingvo_gpipe.planning', 'lingvo_gpipe.keras'),
+    # The Keras front end shares engine/ and planning/, never the Lingvo one.
+    ('lingvo_gpipe.keras', 'lingvo_gpipe.layers'),
+    ('lingvo_gpipe.keras', 'lingvo_gpipe.cells'),
+    ('lingvo_gpipe.keras', 'lingvo_gpipe.costs'),
+    ('lingvo_gpipe.keras', 'lingvo_gpipe.batchnorm'),
+    ('lingvo_gpipe.keras', 'lingvo_gpipe.stacks'),
 ])
 def testArrowsPointDown(lower, upper):
   graph = _ModuleGraph()

@@ -7,6 +7,8 @@
     python tools/benchmark.py speed
     python tools/benchmark.py speed --speed_stages=2,4 --speed_micro_batches=8
     python tools/benchmark.py scale --png_out=docs/scale.png
+    python tools/benchmark.py keras
+    python tools/benchmark.py keras --keras_modes=function --repeats=1
 
 Subcommands (the first argument that is not a flag), one module of the
 repository's `benchmarks` package each:
@@ -37,6 +39,14 @@ repository's `benchmarks` package each:
           start-up cost against M (--png_out) (`benchmarks.scale`). Unless
           given, its flags default to --num_layers=16 --dim=64 --batch=512
           --steps=5 --repeats=1.
+  keras   Step time and peak memory of one `model.train_on_batch` step of
+          Dense(dim, relu) layers as a plain keras.Sequential and inside
+          lingvo_gpipe.keras.GPipeSequential (K=1: M=1 with remat 'never' and
+          'always', and M=--keras_micro_batches with 'always'), without and
+          with XLA (--keras_modes), with TensorFlow's default threads
+          (`benchmarks.keras_bench`). Unless given, its flags default to
+          --num_layers=16 --dim=256 --batch=4096 --steps=10 --repeats=3.
+          Neither the tool nor its workers import Lingvo.
 
 Every configuration runs in a fresh worker process (`python -m
 benchmarks.worker`), so allocator peaks never leak from one configuration into
@@ -63,6 +73,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
+from benchmarks import keras_bench
 from benchmarks import memory
 from benchmarks import runner as runner_lib
 from benchmarks import scale
@@ -138,6 +149,14 @@ flags.DEFINE_list(
 flags.DEFINE_list(
     'scale_micro_batches', ['4', '8', '32', '64', '128'], 'scale: '
     'comma-separated numbers of micro-batches M to measure with every K.')
+flags.DEFINE_integer(
+    'keras_micro_batches', 4, "keras: M of the GPipeSequential row with "
+    "remat='always' whose peak memory is compared with the plain model's.",
+    lower_bound=1)
+flags.DEFINE_list(
+    'keras_modes', list(keras_bench.MODES), 'keras: comma-separated ways to '
+    'compile the train step: function (model.compile(jit_compile=False)), '
+    'xla (jit_compile=True).')
 flags.DEFINE_string(
     'png_out', None, 'scale: optional path of a PNG plot of start-up cost '
     '(tf.function, XLA, graph mode) against M.')
@@ -151,6 +170,10 @@ _SPEED_DEFAULTS = {'num_layers': 16, 'batch': 2048, 'steps': 5, 'repeats': 2}
 # enough for M = 128 and K = 8 on 2 cores.
 _SCALE_DEFAULTS = {'num_layers': 16, 'dim': 64, 'batch': 512, 'steps': 5,
                    'repeats': 1}
+# Defaults of the keras subcommand: 16 Dense(256) on a batch of 4096, whose
+# activations (64 MiB) outweigh the weights (4 MiB); a step of about 0.25 s.
+_KERAS_DEFAULTS = {'num_layers': 16, 'dim': 256, 'batch': 4096, 'steps': 10,
+                   'repeats': 3}
 
 
 def _Progress(line: str) -> None:
@@ -379,11 +402,60 @@ def Scale(args: Sequence[str]) -> Dict[str, Any]:
   return numbers
 
 
+def Keras(args: Sequence[str]) -> Dict[str, Any]:
+  """The `keras` subcommand: GPipeSequential against keras.Sequential.
+
+  Args:
+    args: Positional arguments after the subcommand (must be empty).
+
+  Returns:
+    A JSON-ready dict with the flags, versions and one row per configuration.
+
+  Raises:
+    BenchmarkError: on bad flags or a failed measurement.
+  """
+  _NoPositionalArguments('keras', args)
+  num_layers, dim, batch, steps, repeats = (
+      _SubcommandFlag(name, _KERAS_DEFAULTS)
+      for name in ('num_layers', 'dim', 'batch', 'steps', 'repeats'))
+  modes = _Choices('keras_modes', keras_bench.MODES)
+  runner_lib.CheckMicroBatches('keras_micro_batches',
+                               [FLAGS.keras_micro_batches], batch)
+  start = time.time()
+  configs = keras_bench.Configs(num_layers, dim, batch, steps,
+                                FLAGS.keras_micro_batches, modes)
+  _Progress(f'Measuring {len(configs)} configurations x {repeats} rounds, '
+            'each in a subprocess...')
+  rows = keras_bench.Measure(configs, repeats, _Progress)
+  print(f'One model.train_on_batch step of {num_layers} Dense({dim}, relu), '
+        f'batch {batch}, one device, default threads (median of {repeats} '
+        f'rounds x {steps} steps):')
+  print(keras_bench.FormatTable(rows))
+  print()
+  first = rows[0]['runs'][0]
+  numbers = {
+      'subcommand': 'keras',
+      'flags': {
+          'num_layers': num_layers, 'dim': dim, 'batch': batch,
+          'steps': steps, 'warmups': keras_bench.WARMUPS, 'repeats': repeats,
+          'keras_micro_batches': FLAGS.keras_micro_batches,
+          'keras_modes': modes, 'json_out': FLAGS.json_out,
+      },
+      'tf_version': first['tf_version'],
+      'keras_version': first['keras_version'],
+      'rows': rows,
+      'total_s': time.time() - start,
+  }
+  print(f'{len(configs) * repeats} subprocesses, {numbers["total_s"]:.0f} s.')
+  return numbers
+
+
 # Subcommand name -> function(positional args) -> JSON-ready dict (or None).
 SUBCOMMANDS: Dict[str, Callable[[Sequence[str]], Optional[Dict[str, Any]]]] = {
     'memory': Memory,
     'speed': Speed,
     'scale': Scale,
+    'keras': Keras,
 }
 
 if __name__ == '__main__':

@@ -1,0 +1,351 @@
+"""GPipeSequential: a Keras 3 layer that runs its layers as a GPipe pipeline.
+
+    pipe = GPipeSequential([keras.layers.Dense(256, activation='relu')
+                            for _ in range(8)],
+                           num_stages=4, num_micro_batches=8)
+    model = keras.Sequential([keras.Input((256,)), pipe,
+                              keras.layers.Dense(10)])
+    model.compile('sgd', 'mse')
+    model.fit(x, y, batch_size=64)
+
+The Keras front end of the engine that also runs `GPipeSequentialLayer`: the
+same checks and error messages (`planning.config`), partitions
+(`planning.partition`, `planning.report`), engine choice
+(`planning.schedule.ChooseEngine`), placement (`engine.placement`) and
+pipeline (`engine.pipeline`). Only the cells differ: Keras layers called
+statelessly, their seeds and batch-norm statistics as stage state
+(`keras/stages.py`).
+
+Its variables are the layers' own, created in the layer's name scope as a
+`keras.Sequential` of the same name would create them: the same order, names
+and paths. The pipeline shape (stages, micro-batches, partition, devices,
+recompute, engine) changes only how a call runs, so weights move between
+shapes and to the plain model (`get_weights` / `set_weights`, and weight
+files of models that differ only in the pipeline shape).
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from absl import logging
+import keras
+import tensorflow as tf
+try:  # Private: see _CompiledByXla.
+  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+  from tensorflow.python.ops import control_flow_util as _control_flow_util
+  # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
+except ImportError:
+  _control_flow_util = None
+
+from lingvo_gpipe.engine import microbatch
+from lingvo_gpipe.engine import pipeline
+from lingvo_gpipe.engine import placement
+from lingvo_gpipe.keras import costs as costs_lib
+from lingvo_gpipe.keras import devices as devices_lib
+from lingvo_gpipe.keras import stages
+from lingvo_gpipe.planning import config
+from lingvo_gpipe.planning import partition as partition_lib
+from lingvo_gpipe.planning import report
+from lingvo_gpipe.planning import schedule as schedule_lib
+
+
+def _CompiledByXla() -> bool:
+  """Whether the graph being built is compiled by XLA (jit_compile=True).
+
+  `tf.function(jit_compile=True)`, which Keras uses for jit_compile models,
+  traces inside an XLA control-flow context; TensorFlow's
+  `control_flow_util.GraphOrParentsInXlaContext` (private) tells. Without it
+  the answer is False and engine='auto' picks as outside XLA.
+  """
+  if _control_flow_util is None or tf.executing_eagerly():
+    return False
+  return bool(_control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph()))
+
+
+def _CheckLayers(layers: Any) -> List[keras.layers.Layer]:
+  """The layers as a list; ValueError unless a non-empty list of layers."""
+  if isinstance(layers, keras.layers.Layer) or not isinstance(
+      layers, (list, tuple)):
+    raise ValueError(f'layers={layers!r} must be a list of Keras layers.')
+  layers = list(layers)
+  if not layers:
+    raise ValueError('layers is empty; give at least one Keras layer.')
+  for i, layer in enumerate(layers):
+    if not isinstance(layer, keras.layers.Layer):
+      raise ValueError(f'layers[{i}]={layer!r} is not a keras.layers.Layer.')
+    if isinstance(layer, keras.layers.InputLayer):
+      raise ValueError(
+          f'layers[{i}] is an InputLayer; put keras.Input in the model '
+          'around GPipeSequential, not among its layers.')
+  return layers
+
+
+@keras.saving.register_keras_serializable(package='lingvo_gpipe')
+class GPipeSequential(keras.layers.Layer):
+  """Runs a list of Keras layers as a K-stage, M-micro-batch GPipe pipeline.
+
+      pipe = GPipeSequential(layers, num_stages=2, num_micro_batches=4)
+      y = pipe(x, training=True)       # == keras.Sequential(layers)(x)
+
+  Attributes:
+    layers: The layers, in order.
+    num_stages: K.
+    partition: Layers per chunk (K v ints), None until a 'params' or
+      'profile' partition is decided (at build, or at the first call).
+  """
+
+  def __init__(self,
+               layers: Sequence[keras.layers.Layer],
+               num_stages: Optional[int] = None,
+               num_micro_batches: int = 1,
+               partition: Union[str, Sequence[int]] = 'uniform',
+               remat: str = 'always',
+               devices: Optional[Sequence[str]] = None,
+               engine: str = 'auto',
+               schedule: str = 'gpipe',
+               virtual_stages: int = 1,
+               micro_batch_size: Optional[int] = None,
+               **kwargs):
+    """Checks the pipeline's parameters; nothing is built yet.
+
+    Args:
+      layers: Keras layers, in order; layer i's output is layer i + 1's input
+        (one tensor each, as in `keras.Sequential`). Names must be unique.
+      num_stages: K, the number of pipeline stages (devices); None for one
+        stage per layer. At most the number of layers.
+      num_micro_batches: M, the micro-batches each mini-batch is split into
+        along axis 0. Must divide the batch size.
+      partition: How layers are grouped into chunks: 'uniform' (equal
+        counts), 'params' (trainable parameters, decided at build), 'profile'
+        (measured forward + backward time of each layer on one micro-batch,
+        decided at the first call, which needs a static batch size), or a
+        list of layers per chunk (K v counts).
+      remat: Re-materialization: 'always' (keep each stage's micro-batch
+        inputs, recompute the rest in the backward pass), 'except_last' (not
+        for the last micro-batch) or 'never'.
+      devices: K device strings, one per stage. None: one stage on the
+        default device; else the first K local logical devices of one type
+        (per replica under a distribution strategy, see `keras/devices.py`).
+      engine: 'unrolled', 'loop' (remat='always' only) or 'auto' ('loop'
+        when remat='always' and M >= 16 or under XLA, else 'unrolled'); see
+        docs/engines.md.
+      schedule: A key of `planning.schedule.SCHEDULES`.
+      virtual_stages: v, chunks per device (circular pipeline): K v chunks,
+        chunk c on device c mod K.
+      micro_batch_size: Alternative to num_micro_batches: the size of one
+        micro-batch (needs a static batch size).
+      **kwargs: keras.layers.Layer arguments (name, dtype, trainable).
+
+    Raises:
+      ValueError: naming the parameter, its value and what would be valid.
+    """
+    super().__init__(**kwargs)
+    layers = _CheckLayers(layers)
+    if partition == 'flops':
+      raise ValueError(
+          "partition='flops' needs Lingvo's FPropMeta flop estimates, which "
+          "Keras layers do not have; use 'params', 'profile', 'uniform' or a "
+          'list of layers per stage.')
+    shape = config.CheckShape(
+        [layer.name for layer in layers], num_stages, virtual_stages,
+        partition, num_micro_batches, micro_batch_size, 0, remat, engine,
+        schedule)
+    if schedule_lib.CheckSchedule(schedule).loss_inside:
+      raise ValueError(
+          f'schedule={schedule!r} computes the loss inside the pipeline, '
+          'which GPipeSequential (a layer before the loss) cannot; use '
+          "schedule='gpipe'.")
+    placement.CheckDevices(devices, shape.num_stages)
+    stages.CheckLayers(layers)
+    self._layers_list = layers
+    self.num_stages = shape.num_stages
+    self.num_micro_batches = num_micro_batches
+    self.micro_batch_size = micro_batch_size
+    self.virtual_stages = virtual_stages
+    self.remat = remat
+    self.engine = engine
+    self.schedule = schedule
+    self.devices = None if devices is None else list(devices)
+    self._partition_arg = (partition if isinstance(partition, str) else
+                           list(partition))
+    self._counts = None if shape.counts is None else list(shape.counts)
+    self._logged_devices = None
+
+  @property
+  def layers(self) -> List[keras.layers.Layer]:
+    return list(self._layers_list)
+
+  @property
+  def partition(self) -> Optional[List[int]]:
+    return None if self._counts is None else list(self._counts)
+
+  @property
+  def num_chunks(self) -> int:
+    """K v."""
+    return self.num_stages * self.virtual_stages
+
+  def get_config(self) -> Dict[str, Any]:
+    base = super().get_config()
+    base.update({
+        'layers': [keras.saving.serialize_keras_object(layer)
+                   for layer in self._layers_list],
+        'num_stages': self.num_stages,
+        'num_micro_batches': self.num_micro_batches,
+        'partition': self._partition_arg,
+        'remat': self.remat,
+        'devices': self.devices,
+        'engine': self.engine,
+        'schedule': self.schedule,
+        'virtual_stages': self.virtual_stages,
+        'micro_batch_size': self.micro_batch_size,
+    })
+    return base
+
+  @classmethod
+  def from_config(cls, config_dict: Dict[str, Any]) -> 'GPipeSequential':
+    config_dict = dict(config_dict)
+    config_dict['layers'] = [keras.saving.deserialize_keras_object(layer)
+                             for layer in config_dict['layers']]
+    return cls(**config_dict)
+
+  def build(self, input_shape) -> None:
+    """Builds the layers in order, as keras.Sequential does.
+
+    Args:
+      input_shape: The first layer's input shape (batch dimension included).
+    """
+    x = keras.KerasTensor(input_shape, dtype=self.input_dtype)
+    for layer in self._layers_list:
+      x = layer(x)
+    if self._partition_arg == 'params':
+      self._Partition(costs_lib.ParamCounts(self._layers_list))
+    elif self._counts is not None:
+      self._LogPlan(costs_lib.ParamCounts(self._layers_list))
+
+  def compute_output_spec(self, inputs, training=None):
+    del training  # The output's shape and dtype do not depend on it.
+    x = inputs
+    for layer in self._layers_list:
+      x = layer.compute_output_spec(x)
+    return x
+
+  def _Partition(self, layer_costs: List[float]) -> None:
+    """Sets the cheapest partition for `layer_costs` and logs the plan."""
+    memory = costs_lib.VariableBytes(self._layers_list)
+    self._counts = partition_lib.PartitionCosts(layer_costs, self.num_chunks,
+                                                memory)
+    self._LogPlan(layer_costs, memory)
+
+  def _LogPlan(self, layer_costs: List[float],
+               memory: Optional[List[float]] = None) -> None:
+    """Logs each chunk's layers, cost, share and variable bytes."""
+    if memory is None:
+      memory = costs_lib.VariableBytes(self._layers_list)
+    logging.info(
+        '%s: partition=%r\n%s', self.name, self._partition_arg,
+        report.PartitionReport(
+            layer_costs, self._counts, memory=memory,
+            names=[layer.name for layer in self._layers_list]))
+
+  def _Profile(self, x: tf.Tensor, num_micro: int) -> None:
+    """Decides a 'profile' partition from one micro-batch of `x`'s shape."""
+    if self.num_chunks == 1:
+      self._counts = [len(self._layers_list)]
+      return
+    shape = x.shape.as_list()
+    if shape[0] is None:
+      raise ValueError(
+          "partition='profile' times each layer on one micro-batch and needs "
+          f'a static batch size at the first call; the input has shape '
+          f'{shape}. Give keras.Input a batch_size, call the model once on '
+          "an array first, or use partition='params' or a list.")
+    shape[0] //= num_micro
+    self._Partition(costs_lib.ProfileTimes(self._layers_list, shape, x.dtype))
+
+  def StageDevices(self) -> List[str]:
+    """The K devices of this replica's stages (see `keras/devices.py`)."""
+    devices = devices_lib.ReplicaStageDevices(self.num_stages, self.devices)
+    if devices != self._logged_devices:
+      self._logged_devices = devices
+      logging.info('%s: stage devices %s for partition %s', self.name,
+                   devices, self.partition)
+    return devices
+
+  def NumMicroBatches(self, batch_size: Optional[int]) -> int:
+    """M for a mini-batch of `batch_size` (None if unknown statically).
+
+    Raises:
+      ValueError: if the batch does not split into M micro-batches.
+    """
+    return config.NumMicroBatches(batch_size, self.num_micro_batches,
+                                  self.micro_batch_size)
+
+  def Engine(self, num_micro_batches: int) -> str:
+    """The engine that builds a call with M micro-batches here."""
+    return schedule_lib.ChooseEngine(self.engine, self.num_stages,
+                                     num_micro_batches, self.remat,
+                                     compiled_by_xla=_CompiledByXla())
+
+  @tf.autograph.experimental.do_not_convert
+  def call(self, inputs, training=None):
+    """Runs the layers as a pipeline.
+
+    Args:
+      inputs: One tensor, the first layer's input; axis 0 is the batch.
+      training: Passed to every layer that takes it; also whether the call
+        is set up for a backward pass (recompute).
+
+    Returns:
+      The last layer's output, merged back into the mini-batch.
+
+    Raises:
+      ValueError: if the input is not one tensor or does not split into M
+        micro-batches.
+    """
+    if not tf.is_tensor(inputs):
+      raise ValueError(
+          f'{self.name} takes one tensor, as keras.Sequential does; got '
+          f'{type(inputs).__name__}.')
+    if training is not None and not isinstance(training, bool):
+      raise ValueError(f'training={training!r} must be True, False or None.')
+    training = bool(training)
+    num_micro = self.NumMicroBatches(
+        microbatch.StaticBatchSize([inputs], 0))
+    if self._counts is None:
+      self._Profile(inputs, num_micro)
+    if not training and self.num_stages == 1:
+      num_micro = 1  # Without a backward pass there is nothing to overlap.
+    if inputs.shape[0] is None and num_micro > 1:
+      inputs = self._CheckDynamicSplit(inputs, num_micro)
+    chunks = [stages.Chunk(layers) for layers in
+              config.ChunkCells(self._layers_list, self._counts)]
+    pipe = pipeline.Pipeline(
+        [chunk.StageFunction(training) for chunk in chunks],
+        self.StageDevices(),
+        num_micro,
+        remat=self.remat,
+        engine=self.Engine(num_micro),
+        schedule=self.schedule,
+        virtual_stages=self.virtual_stages,
+        name='gpipe')
+    (outputs,), final_states = pipe(
+        [chunk.Theta() for chunk in chunks], [inputs],
+        [chunk.InitialState() for chunk in chunks], training=training)
+    if training:
+      for chunk, state in zip(chunks, final_states):
+        chunk.ApplyUpdates(state)
+    return outputs
+
+  def _CheckDynamicSplit(self, inputs: tf.Tensor,
+                         num_micro: int) -> tf.Tensor:
+    """`inputs`, checked at run time to split into M micro-batches."""
+    batch = tf.shape(inputs, out_type=tf.int64)[0]
+    check = tf.debugging.assert_equal(
+        batch % num_micro, tf.constant(0, tf.int64),
+        message=(f'{self.name}: num_micro_batches={num_micro} must divide '
+                 'the batch size; with model.fit/evaluate/predict use a '
+                 'batch_size that M divides and a number of samples that '
+                 'the batch size divides (or a dataset with '
+                 'drop_remainder=True)'))
+    with tf.control_dependencies([check]):
+      return tf.identity(inputs)
