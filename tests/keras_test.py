@@ -205,10 +205,17 @@ def testDropoutReplaysExactlyInTheRecompute(mode):
     # Each of the 4 micro-batches advanced each seed generator once.
     for before, after in zip(seeds, _SeedStates(pipe.layers)):
       np.testing.assert_array_equal(after - before, [0, 4])
+  # Bit for bit in a graph. Under XLA (the loop engine, whose calls that
+  # keep their activations run TensorFlow's split of the forward and its
+  # gradient instead of a recompute) the fused kernels may round the same
+  # values differently in the last bit: the masks are still the same.
+  compare = (np.testing.assert_array_equal if mode == 'function' else
+             lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
+                                                     atol=1e-6))
   for always, never in zip(results['always'], results['never']):
-    np.testing.assert_array_equal(always, never)
+    compare(always, never)
   for always, except_last in zip(results['always'], results['except_last']):
-    np.testing.assert_array_equal(always, except_last)
+    compare(always, except_last)
   # The masks are real: about half of the hidden units are zeroed.
   plain, _ = Models(_DropoutLayers)
   no_dropout = OutputsAndGradients(plain, Inputs(), mode)
@@ -410,7 +417,8 @@ def testCompiledByXlaPicksTheLoopEngine():
     ({'partition': 'time'}, "partition='time' is not supported"),
     ({'num_stages': 9}, 'num_stages=9'),
     ({'remat': 'sometimes'}, "remat='sometimes'"),
-    ({'engine': 'loop', 'remat': 'never'}, "engine='loop'"),
+    ({'engine': 'unrolled', 'schedule': '1f1b'},
+     "schedule='1f1b' is not supported with engine='unrolled'"),
     ({'num_micro_batches': 0}, 'num_micro_batches=0 must be a positive int'),
     ({'devices': ['/cpu:0']}, r"devices=\['/cpu:0'\] must be a list of 2"),
     ({'schedule': 'pipedream'}, "schedule='pipedream' is not supported"),
