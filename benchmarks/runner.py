@@ -109,11 +109,13 @@ def Name(config: Dict[str, Any]) -> str:
   model = config['model']
   mode = config.get('mode', 'graph')
   suffix = '' if mode == 'graph' else f' {mode}'
+  if config.get('intra_op_threads', 0):
+    suffix += f' {config["intra_op_threads"]}-thread ops'
   if model == 'plain':
     return 'plain' + suffix
   shape = f'K={config.get("stages", 1)} M={config["micro_batches"]}'
   if model == 'lingvo':
-    return f'lingvo {shape}'
+    return f'lingvo {shape}{suffix}'
   engine = config.get('engine', 'auto')
   engine = '' if engine == 'auto' else f' {engine}'
   schedule = config.get('schedule', 'gpipe')
@@ -121,8 +123,6 @@ def Name(config: Dict[str, Any]) -> str:
     engine += f' {schedule}'
   if config.get('virtual_stages', 1) != 1:
     shape += f' v={config["virtual_stages"]}'
-  if config.get('intra_op_threads', 0):
-    suffix += f' {config["intra_op_threads"]}-thread ops'
   return f'gpipe{engine} {shape} {config["remat"]}{suffix}'
 
 

@@ -30,8 +30,8 @@ from lingvo_gpipe.planning import simulate
 
 def RecordStep(num_stages: int, num_micro: int, remat: str,
                cells_per_stage: int, dim: int, micro_batch_size: int,
-               warmup_steps: int, engine: str, virtual_stages: int
-              ) -> Tuple[Any, Any]:
+               warmup_steps: int, engine: str, virtual_stages: int,
+               intra_op_threads: int = 0) -> Tuple[Any, Any]:
   """Runs training steps of FC cells as a pipeline; traces the last one.
 
   Args:
@@ -44,6 +44,8 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
     warmup_steps: Untraced steps before the traced one.
     engine: 'unrolled' or 'loop' ('auto' is not resolved here).
     virtual_stages: v, chunks per device.
+    intra_op_threads: Threads per op (0: TensorFlow's default); 1 makes each
+      logical CPU device act as one core.
 
   Returns:
     (step_stats, table): the traced step's `RunMetadata.step_stats` and the
@@ -56,6 +58,9 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
   from lingvo_gpipe import layers as gpipe_layers
   from lingvo_gpipe.engine import loop
   # pylint: enable=g-import-not-at-top
+  if intra_op_threads:  # Before the session creates its thread pools.
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(2 * num_stages)
   devices = [f'/job:localhost/replica:0/task:0/device:CPU:{k}'
              for k in range(num_stages)]
   cells = models.FcCells(num_stages * virtual_stages * cells_per_stage, dim,
@@ -78,7 +83,10 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
     train_op = optimizer.apply_gradients(zip(grads, variables))
     table = schedule.BuildTable(layer.params.schedule, num_stages, num_micro,
                                 virtual_stages)
-    config = tf.compat.v1.ConfigProto(device_count={'CPU': num_stages})
+    config = tf.compat.v1.ConfigProto(
+        device_count={'CPU': num_stages},
+        intra_op_parallelism_threads=intra_op_threads,
+        inter_op_parallelism_threads=2 * num_stages if intra_op_threads else 0)
     with tf.compat.v1.Session(graph=graph, config=config) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       for _ in range(warmup_steps):
@@ -123,7 +131,8 @@ def _MeanDuration(events: Sequence[simulate.Event], chunk: int,
 def TraceStep(num_stages: int, num_micro: int, remat: str,
               cells_per_stage: int, dim: int, micro_batch_size: int,
               warmup_steps: int, engine: str = 'unrolled',
-              virtual_stages: int = 1) -> TracedStep:
+              virtual_stages: int = 1,
+              intra_op_threads: int = 0) -> TracedStep:
   """Records a step (see `RecordStep` for the arguments) and reads it.
 
   Returns:
@@ -134,7 +143,8 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
   """
   step_stats, table = RecordStep(num_stages, num_micro, remat,
                                  cells_per_stage, dim, micro_batch_size,
-                                 warmup_steps, engine, virtual_stages)
+                                 warmup_steps, engine, virtual_stages,
+                                 intra_op_threads)
   events, devices = trace.StepEvents(
       trace.StepKernels(step_stats), table, remat, engine)
   means = {phase: [_MeanDuration(events, c, phase)

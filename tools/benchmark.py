@@ -9,6 +9,7 @@
     python tools/benchmark.py scale --png_out=docs/scale.png
     python tools/benchmark.py keras
     python tools/benchmark.py keras --keras_modes=function --repeats=1
+    python tools/benchmark.py schedules
 
 Subcommands (the first argument that is not a flag), one module of the
 repository's `benchmarks` package each:
@@ -47,6 +48,13 @@ repository's `benchmarks` package each:
           (`benchmarks.keras_bench`). Unless given, its flags default to
           --num_layers=16 --dim=256 --batch=4096 --steps=10 --repeats=3.
           Neither the tool nor its workers import Lingvo.
+  schedules  Ratios of measured steps with their targets: the loop engine
+          against the unrolled one and Lingvo's PipeliningLayer, the cost
+          of re-materialization, circular and interleaved stages against
+          their plain schedules (one core per device), and 1F1B against
+          GPipe in peak memory and step time (`benchmarks.schedules`). Its
+          sizes are fixed (--schedules_small: tiny, for a quick check);
+          --repeats (default 3) and --parallel apply.
 
 Every configuration runs in a fresh worker process (`python -m
 benchmarks.worker`), so allocator peaks never leak from one configuration into
@@ -77,6 +85,7 @@ from benchmarks import keras_bench
 from benchmarks import memory
 from benchmarks import runner as runner_lib
 from benchmarks import scale
+from benchmarks import schedules
 from benchmarks import speed
 from lingvo_gpipe.planning import schedule
 from tools import cli
@@ -157,6 +166,9 @@ flags.DEFINE_list(
     'keras_modes', list(keras_bench.MODES), 'keras: comma-separated ways to '
     'compile the train step: function (model.compile(jit_compile=False)), '
     'xla (jit_compile=True).')
+flags.DEFINE_bool(
+    'schedules_small', False, 'schedules: tiny sizes, to check that every '
+    'comparison builds and runs (the ratios mean nothing then).')
 flags.DEFINE_string(
     'png_out', None, 'scale: optional path of a PNG plot of start-up cost '
     '(tf.function, XLA, graph mode) against M.')
@@ -170,6 +182,8 @@ _SPEED_DEFAULTS = {'num_layers': 16, 'batch': 2048, 'steps': 5, 'repeats': 2}
 # enough for M = 128 and K = 8 on 2 cores.
 _SCALE_DEFAULTS = {'num_layers': 16, 'dim': 64, 'batch': 512, 'steps': 5,
                    'repeats': 1}
+# Repeats of the schedules subcommand unless --repeats is given.
+_SCHEDULES_REPEATS = 3
 # Defaults of the keras subcommand: 16 Dense(256) on a batch of 4096, whose
 # activations (64 MiB) outweigh the weights (4 MiB); a step of about 0.25 s.
 _KERAS_DEFAULTS = {'num_layers': 16, 'dim': 256, 'batch': 4096, 'steps': 10,
@@ -450,12 +464,50 @@ def Keras(args: Sequence[str]) -> Dict[str, Any]:
   return numbers
 
 
+def Schedules(args: Sequence[str]) -> Dict[str, Any]:
+  """The `schedules` subcommand: measured ratios against their targets.
+
+  Args:
+    args: Positional arguments after the subcommand (must be empty).
+
+  Returns:
+    A JSON-ready dict with the rows and every measurement.
+
+  Raises:
+    BenchmarkError: on bad flags or a failed measurement.
+  """
+  _NoPositionalArguments('schedules', args)
+  repeats = FLAGS.repeats if FLAGS['repeats'].present else _SCHEDULES_REPEATS
+  start = time.time()
+  runner = runner_lib.Runner(FLAGS.parallel, _Progress)
+  comparisons = schedules.Comparisons(FLAGS.schedules_small)
+  configs = schedules.Configs(comparisons)
+  _Progress(f'Measuring {len(configs)} configurations x {repeats} rounds, '
+            'each in a subprocess...')
+  measured = runner_lib.MeasureTable(runner, configs, repeats)
+  rows = schedules.Rows(comparisons, measured)
+  print(f'Training steps (medians of {repeats} rounds); ratios of the first '
+        'configuration to the second:')
+  print(schedules.FormatTable(rows))
+  total = time.time() - start
+  print(f'{runner.num_runs} subprocesses, {total:.0f} s.')
+  return {
+      'subcommand': 'schedules',
+      'repeats': repeats,
+      'rows': rows,
+      'measured': measured,
+      'subprocesses': runner.num_runs,
+      'total_s': total,
+  }
+
+
 # Subcommand name -> function(positional args) -> JSON-ready dict (or None).
 SUBCOMMANDS: Dict[str, Callable[[Sequence[str]], Optional[Dict[str, Any]]]] = {
     'memory': Memory,
     'speed': Speed,
     'scale': Scale,
     'keras': Keras,
+    'schedules': Schedules,
 }
 
 if __name__ == '__main__':

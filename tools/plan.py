@@ -214,9 +214,10 @@ flags.DEFINE_integer(
     'top', 20, 'auto: ranked configurations to print (every one is in '
     '--json_out).', lower_bound=1)
 flags.DEFINE_integer(
-    'intra_op_threads', 1, 'auto: threads of one TensorFlow op in the '
-    'profile and verification workers. 1 makes each logical CPU device act '
-    'as one core, so that stages overlap as they would on separate devices.',
+    'intra_op_threads', 1, 'auto, timeline: threads of one TensorFlow op in '
+    'the profile and verification workers, or the traced step. 1 makes each '
+    'logical CPU device act as one core, so that stages overlap as they '
+    'would on separate devices; 0: TensorFlow\'s default (all cores).',
     lower_bound=1)
 flags.DEFINE_string(
     'profile_out', None, 'auto: write the model profile (JSON) there, to '
@@ -561,7 +562,7 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
     traced = traced_step.TraceStep(num_stages, num_micro, remat,
                                    FLAGS.cells_per_stage, FLAGS.fc_dim,
                                    FLAGS.micro_batch_size, FLAGS.warmup_steps,
-                                   engine, virtual)
+                                   engine, virtual, FLAGS.intra_op_threads)
   except ValueError as e:
     raise PlanError(str(e)) from e
   events, devices = traced.events, traced.devices
