@@ -336,8 +336,11 @@ class _Segment:
       an index into its choices, or len(choices) when it idles.
     idles: Per device, whether it idles at some tick of the segment.
     phases: The phases of the segment's actions.
-    rows: Per tick, `_Layout.DEVICE_FIELDS` for each device, then
-      `_Layout.EDGE_FIELDS` for each edge.
+    hosted: Per device, the fields of a tick it reads: its
+      `_Layout.DEVICE_FIELDS`, then (field, edge) for the `EDGE_FIELDS` of
+      the edges whose buffers it reads or writes at that field.
+    rows: Per device, per tick, the values of its hosted fields: a table
+      that lives on the device, so no tick sends indices between devices.
   """
 
   def __init__(self, ticks: Sequence[schedule.Tick], layout: _Layout):
@@ -353,30 +356,59 @@ class _Segment:
         self.phases.add(action.phase)
         if layout.Key(action) not in self.choices[k]:
           self.choices[k].append(layout.Key(action))
-    self.rows = [self._Row(tick, layout) for tick in ticks]
+    self.hosted = [list(_Layout.DEVICE_FIELDS) for _ in range(num_devices)]
+    for e, edge in enumerate(layout.edges):
+      for field in _Layout.EDGE_FIELDS:
+        self.hosted[_FieldDevice(edge, field, layout.table)].append(
+            (field, e))
+    self.rows = [[] for _ in range(num_devices)]
+    for tick in ticks:
+      values = self._Values(tick, layout)
+      for k, hosted in enumerate(self.hosted):
+        self.rows[k].append([values[k, f] if isinstance(f, str) else values[f]
+                             for f in hosted])
 
-  def _Row(self, tick: schedule.Tick, layout: _Layout) -> List[int]:
-    devices = []
-    edges = [[0, 0, layout.Size('data', e), layout.Size('grad', e)]
-             for e in range(len(layout.edges))]
+  def _Values(self, tick: schedule.Tick, layout: _Layout) -> Dict[Any, int]:
+    """{(device, field) or (edge field, edge): value} of one tick."""
+    values = {}
+    for e in range(len(layout.edges)):
+      values['data_read', e] = values['grad_read', e] = 0
+      values['data_write', e] = layout.Size('data', e)  # The spare slot.
+      values['grad_write', e] = layout.Size('grad', e)
     for k, action in enumerate(tick):
       if action is None:
-        devices += [len(self.choices[k]), 0, 0, 0]
+        values.update({(k, 'branch'): len(self.choices[k]),
+                       (k, 'micro_batch'): 0, (k, 'state'): 0,
+                       (k, 'stash'): 0})
         continue
       phase, c, m = action
-      devices += [self.choices[k].index(layout.Key(action)), m,
-                  layout.Slot('state', c, m), layout.Slot('stash', c, m)]
+      values.update({(k, 'branch'): self.choices[k].index(layout.Key(action)),
+                     (k, 'micro_batch'): m,
+                     (k, 'state'): layout.Slot('state', c, m),
+                     (k, 'stash'): layout.Slot('stash', c, m)})
       for e, edge in enumerate(layout.edges):
         if edge.target == c:  # c reads its data; its backward writes grad.
-          edges[e][0] = layout.Slot('data', e, m)
+          values['data_read', e] = layout.Slot('data', e, m)
           if phase == B:
-            edges[e][3] = layout.Slot('grad', e, m)
+            values['grad_write', e] = layout.Slot('grad', e, m)
         if edge.source == c:  # c writes data; its backward reads grad.
           if phase == F:
-            edges[e][2] = layout.Slot('data', e, m)
+            values['data_write', e] = layout.Slot('data', e, m)
           else:
-            edges[e][1] = layout.Slot('grad', e, m)
-    return devices + [field for edge in edges for field in edge]
+            values['grad_read', e] = layout.Slot('grad', e, m)
+    return values
+
+
+def _FieldDevice(edge: _Edge, field: str, table: schedule.Table) -> int:
+  """The device that uses an edge's field: its reader or its buffer's."""
+  reader, writer = edge.target, edge.source
+  chunk = {
+      'data_read': reader,  # The target's calls read the data buffer.
+      'grad_read': writer,  # The source's backward reads the gradients.
+      'data_write': reader if reader is not None else writer,
+      'grad_write': writer if writer is not None else reader,
+  }[field]
+  return table.Device(0 if chunk is None else chunk)
 
 
 def _Segments(ticks: Sequence[schedule.Tick],
@@ -676,7 +708,6 @@ class _Step:
       The variables after the last tick.
     """
     for i, segment in enumerate(_Segments(ticks, self.layout)):
-      rows = tf.constant(segment.rows, tf.int32, name=f'{name}_ticks_{i}')
       # What the segment leaves unchanged is not carried: XLA's compiler
       # fails on while loops that pass loop-invariant values through.
       carried = {key for phase in segment.phases for key in _CHANGED[phase]}
@@ -684,23 +715,37 @@ class _Step:
         carried.discard('d_state')
       fixed = {key: value for key, value in v.items() if key not in carried}
       loop_vars = {key: value for key, value in v.items() if key in carried}
-
-      def Body(t, loop_vars, rows=rows, segment=segment, fixed=fixed):
-        new = self._Tick(segment, rows[t], dict(fixed, **loop_vars))
-        return t + 1, {key: new[key] for key in loop_vars}
-
       # The loop starts when the previous one has ended, whatever variable
-      # it reads first: its counter waits for all of them. Unlowered, a
+      # it reads first: its counters wait for all of them. Unlowered, a
       # While's outputs appear together anyway; lowered
       # (LOWER_CONTROL_FLOW), each loop variable leaves its loop on its own,
       # and a device could start its next call while its last one still runs.
+      # Each device counts the ticks itself: none waits for another's index.
+      counters = []
       with tf.control_dependencies(
           [_Flow(x) for x in tf.nest.flatten(loop_vars)] if i else []):
-        start = tf.identity(tf.constant(0))
-      num_ticks = len(segment.rows)
+        for k in range(self.num_devices):
+          with tf.device(self.chunks[k].device):
+            counters.append(tf.constant(0, name=f'{name}_tick_{i}'))
+
+      def Body(counters, loop_vars, segment=segment, fixed=fixed):
+        rows = []
+        for k, (t, table) in enumerate(zip(counters, segment.rows)):
+          with tf.device(self.chunks[k].device):
+            rows.append(tf.unstack(tf.constant(table, tf.int32)[t]))
+        new = self._Tick(segment, rows, dict(fixed, **loop_vars))
+        next_counters = []
+        for k, t in enumerate(counters):
+          with tf.device(self.chunks[k].device):
+            next_counters.append(t + 1)
+        return next_counters, {key: new[key] for key in loop_vars}
+
+      num_ticks = len(segment.rows[0])
       results = tf.while_loop(
-          lambda t, _, n=num_ticks: t < n, Body, (start, loop_vars),
-          shape_invariants=(tf.TensorShape([]), self._Invariants(loop_vars)),
+          lambda counters, _, n=num_ticks: counters[0] < n, Body,
+          (counters, loop_vars),
+          shape_invariants=([tf.TensorShape([])] * self.num_devices,
+                            self._Invariants(loop_vars)),
           # A tick starts when the previous one has ended, as the unlowered
           # While runs it; lowered loops would otherwise overlap ticks.
           parallel_iterations=1,
@@ -710,22 +755,30 @@ class _Step:
       v = dict(fixed, **results[1])
     return v
 
-  def _Fields(self, row: tf.Tensor) -> List[Dict[Any, tf.Tensor]]:
-    """Per device, its fields of the tick's row (edge fields by (name, e))."""
-    device_fields, edge_fields = _Layout.DEVICE_FIELDS, _Layout.EDGE_FIELDS
-    base = self.num_devices * len(device_fields)
-    edges = {(field, e): row[base + e * len(edge_fields) + j]
-             for e in range(len(self.edges))
-             for j, field in enumerate(edge_fields)}
-    return [dict(edges, **{field: row[k * len(device_fields) + j]
-                           for j, field in enumerate(device_fields)})
-            for k in range(self.num_devices)]
+  @staticmethod
+  def _Fields(segment: _Segment, rows: List[List[tf.Tensor]]
+             ) -> List[Dict[Any, tf.Tensor]]:
+    """Per device, every field of the tick: its own ones on its device.
 
-  def _Tick(self, segment: _Segment, row: tf.Tensor,
+    Args:
+      segment: The segment.
+      rows: Per device, its hosted fields' values at the tick.
+
+    Returns:
+      Per device, {field or (edge field, edge): value}: its device fields
+      and every device's edge fields.
+    """
+    edge_fields = {f: value for hosted, row in zip(segment.hosted, rows)
+                   for f, value in zip(hosted, row) if not isinstance(f, str)}
+    return [dict(edge_fields, **{f: value for f, value in zip(hosted, row)
+                                 if isinstance(f, str)})
+            for hosted, row in zip(segment.hosted, rows)]
+
+  def _Tick(self, segment: _Segment, rows: List[List[tf.Tensor]],
             v: Dict[str, Any]) -> Dict[str, Any]:
     """One tick: every device's action, then the writes to the buffers."""
     num_chunks = len(self.chunks)
-    fields = self._Fields(row)
+    fields = self._Fields(segment, rows)
     v = {key: list(value) for key, value in v.items()}
     for k in range(self.num_devices):
       own = list(range(k, num_chunks, self.num_devices))
