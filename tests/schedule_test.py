@@ -168,10 +168,16 @@ def testSimulatedEventsFollowTheGPipeOrder(remat):
 
 
 def testSimulateLargePipelineIsFast():
-  """docs/planning.md: K = 128, M = 1024 in under a second (about 0.02 s)."""
-  start = time.perf_counter()
+  """docs/planning.md: K = 128, M = 1024 in under a second (about 0.02 s).
+
+  Timed in CPU seconds of this thread: the wall clock also counts the time
+  the thread waits for a core, which on 2 cores shared with the other pytest
+  worker and other jobs reached 0.8-1.07 s (3 runs in 30 over the limit under
+  a load of 6), for 0.025 s of CPU.
+  """
+  start = time.thread_time()
   sim = simulate.Simulate([1.0] * 128, [2.0] * 128, 1024)
-  elapsed = time.perf_counter() - start
+  elapsed = time.thread_time() - start
   assert elapsed < 1.0, elapsed
   assert len(sim.events) == 3 * 128 * 1024  # Forward, recompute, backward.
   assert sim.bubble_fraction == pytest.approx(
