@@ -174,18 +174,28 @@ def testLoopStageRecomputesEachCallRightBeforeItsGradient():
   with engine_util.ObservableLoops('loop'):
     _, step_stats = test_util.TracedFCStep('always', NUM_MICRO_BATCHES,
                                            engine='loop')
+  # The order is exact, not a matter of timing: a call's recomputed ReLU and
+  # its weight gradient are linked by data (Relu -> ReluGrad -> MatMul_1);
+  # the ticks of a loop run one after another (parallel_iterations=1: the
+  # executor starts no kernel of tick t + 1 before every kernel of tick t has
+  # ended), a loop starts when the previous one has ended (loop.py), and the
+  # backward loop needs the loss. The executor records a kernel's end, and
+  # appends its stats to node_stats, before it starts any kernel waiting for
+  # it; so the start times, ties broken by the position in node_stats, give
+  # that order. (By start microseconds and kind alone, a ReLU and its gradient
+  # starting in the same microsecond would sort the gradient first.)
   kernels = {}
   for dev in step_stats.dev_stats:
-    for node in dev.node_stats:
+    for position, node in enumerate(dev.node_stats):
       match = re.search(r'fc(\d)/(Relu$|MatMul_grad/MatMul_1$)',
                         node.node_name)
       if match:
         kind = 'relu' if match.group(2) == 'Relu' else 'gradient'
         kernels.setdefault(dev.device, []).append(
-            (node.all_start_micros, kind))
+            (node.all_start_micros, position, kind))
   assert sorted(kernels) == engine_util.CPUS
   for device, runs in kernels.items():
-    assert [kind for _, kind in sorted(runs)] == (
+    assert [kind for _, _, kind in sorted(runs)] == (
         ['relu'] * NUM_MICRO_BATCHES +
         ['relu', 'gradient'] * NUM_MICRO_BATCHES), device
 
