@@ -16,6 +16,23 @@ from params import lm
 import engine_util
 
 
+def SeededGraph(seed=1):
+  """A new tf.Graph whose variables get the same initial values in every run.
+
+  A new graph has no seed, and Lingvo's initializers then draw new weights
+  in every run; with one, Lingvo seeds each variable from its name.
+
+  Args:
+    seed: The graph seed.
+
+  Returns:
+    The graph.
+  """
+  graph = tf.Graph()
+  graph.seed = seed
+  return graph
+
+
 def FCCells(num_cells=4, dim=8):
   return [
       layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=dim, output_dim=dim)
