@@ -124,7 +124,7 @@ def RunGraph(pipe_params, cell_fn, inputs):
     {variable name: indices} of every pipeline weight gradient that is
     sparse (IndexedSlices) as built, before any densifying.
   """
-  graph = tf.Graph()
+  graph = SeededGraph()  # The same weights in every run.
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     pipe = pipe_params.Instantiate()
