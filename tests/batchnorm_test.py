@@ -117,7 +117,7 @@ def test_one_step_matches_full_batch(num_micro, num_stages, engine):
   """Moving stats as full-batch Lingvo BN; outputs as per-micro-batch BN."""
   rng = np.random.RandomState(num_micro * 10 + num_stages)
   x_np = _Inputs(rng)
-  graph = tf.Graph()
+  graph = test_util.SeededGraph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     pipe = test_util.PipeParams(
@@ -186,7 +186,7 @@ class _PipelinedTask(base_model.BaseTask):
 def test_lingvo_task_applies_update(engine):
   """BaseTask's train_op updates the moving stats once, from the mini-batch."""
   x_np = _Inputs(np.random.RandomState(5))
-  graph = tf.Graph()
+  graph = test_util.SeededGraph()
   with graph.as_default():
     p = _PipelinedTask.Params().Set(name='task', engine=engine)
     p.input = _ConstantInput.Params().Set(x=x_np)
@@ -208,7 +208,7 @@ def test_lingvo_task_applies_update(engine):
 def test_gradients_same_with_and_without_remat():
   rng = np.random.RandomState(0)
   x_np = _Inputs(rng)
-  graph = tf.Graph()
+  graph = test_util.SeededGraph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     fetches = []
@@ -236,7 +236,7 @@ def test_gradients_same_with_and_without_remat():
 def test_eval_uses_moving_stats(engine):
   rng = np.random.RandomState(1)
   x_np = _Inputs(rng)
-  graph = tf.Graph()
+  graph = test_util.SeededGraph()
   with graph.as_default(), cluster_factory.SetEval(True):
     py_utils.GetOrCreateGlobalStepVar()
     pipe = test_util.PipeParams(
@@ -301,7 +301,7 @@ def _PaddedInputs(rng, num_micro, batch=8, time=5):
 def test_paddings_excluded_from_stats(num_micro, engine):
   rng = np.random.RandomState(2)
   x_np, pad_np = _PaddedInputs(rng, num_micro)
-  graph = tf.Graph()
+  graph = test_util.SeededGraph()
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     bn_p = batchnorm.BatchNormLayer.Params().Set(name='bn0', dim=DIM,

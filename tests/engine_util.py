@@ -90,3 +90,55 @@ def LoopCallDevices(graph):
       if node.op == 'StatefulPartitionedCall' and chunk:
         devices[phase.group(1), int(chunk.group(1))].add(node.device)
   return dict(devices)
+
+
+def ExecutedAncestors(partition_graphs):
+  """{node: the nodes it waits for} in the graphs a session run executed.
+
+  `RunMetadata.partition_graphs` (from `RunOptions(output_partition_graphs=
+  True)`) are the graphs as they ran: after Grappler and function inlining,
+  one per device, with the node names that step stats report. A node waits
+  for its data and control inputs; a `_Recv` for the `_Send` of the same
+  rendezvous key (tensor name, sending and receiving device) on another
+  device. The executor starts a kernel only once every node it waits for has
+  finished, and it records a kernel's end in the step stats before it
+  schedules the kernels waiting for it, so a node's step-stats start is never
+  earlier than the end of any of its ancestors. A kernel that is not an
+  ancestor may run before, during or after: when it runs is then a matter of
+  threads and load, not of the graph.
+
+  Args:
+    partition_graphs: `RunMetadata.partition_graphs`.
+
+  Returns:
+    A function from a node's name to the frozenset of its transitive
+    ancestors' names.
+  """
+  nodes = {n.name: n for g in partition_graphs for n in g.node}
+
+  def Key(node):
+    return tuple(node.attr[a].s
+                 for a in ('tensor_name', 'send_device', 'recv_device'))
+
+  sends = {Key(n): n.name for n in nodes.values()
+           if n.op in ('_Send', '_HostSend')}
+  inputs = {}
+  for name, node in nodes.items():
+    inputs[name] = [i.lstrip('^').split(':')[0] for i in node.input]
+    if node.op in ('_Recv', '_HostRecv'):
+      inputs[name].append(sends[Key(node)])
+  ancestors = {}
+
+  def Ancestors(name):
+    if name not in ancestors:
+      # Iterative depth-first search (graphs are deep for recursion).
+      seen, stack = set(), [name]
+      while stack:
+        for parent in inputs[stack.pop()]:
+          if parent not in seen:
+            seen.add(parent)
+            stack.append(parent)
+      ancestors[name] = frozenset(seen)
+    return ancestors[name]
+
+  return Ancestors

@@ -16,6 +16,23 @@ from params import lm
 import engine_util
 
 
+def SeededGraph(seed=1):
+  """A new tf.Graph whose variables get the same initial values in every run.
+
+  A new graph has no seed, and Lingvo's initializers then draw new weights
+  in every run; with one, Lingvo seeds each variable from its name.
+
+  Args:
+    seed: The graph seed.
+
+  Returns:
+    The graph.
+  """
+  graph = tf.Graph()
+  graph.seed = seed
+  return graph
+
+
 def FCCells(num_cells=4, dim=8):
   return [
       layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=dim, output_dim=dim)
@@ -107,7 +124,7 @@ def RunGraph(pipe_params, cell_fn, inputs):
     {variable name: indices} of every pipeline weight gradient that is
     sparse (IndexedSlices) as built, before any densifying.
   """
-  graph = tf.Graph()
+  graph = SeededGraph()  # The same weights in every run.
   with graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     pipe = pipe_params.Instantiate()
@@ -160,6 +177,27 @@ def TracedFCStep(remat, num_micro_batches=2, engine='unrolled', num_stages=4,
   Returns:
     (graph, step_stats): the graph and the RunMetadata step stats.
   """
+  graph, metadata = TracedFCRun(remat, num_micro_batches, engine, num_stages,
+                                cluster)
+  return graph, metadata.step_stats
+
+
+def TracedFCRun(remat, num_micro_batches=2, engine='unrolled', num_stages=4,
+                cluster=contextlib.nullcontext()):
+  """`TracedFCStep`, returning all of the step's RunMetadata.
+
+  Args:
+    remat: The remat mode.
+    num_micro_batches: M.
+    engine: The pipeline engine.
+    num_stages: K.
+    cluster: The Lingvo cluster to build the step in (devices=None).
+
+  Returns:
+    (graph, run_metadata): the graph, and the RunMetadata with step stats and
+    the partition graphs the step ran (after Grappler and function inlining:
+    the graphs whose node names the step stats report).
+  """
   p = PipeParams(FCCells(), num_stages=num_stages,
                  num_micro_batches=num_micro_batches, remat=remat,
                  engine=engine)
@@ -179,6 +217,7 @@ def TracedFCStep(remat, num_micro_batches=2, engine='unrolled', num_stages=4,
       metadata = tf.compat.v1.RunMetadata()
       sess.run(grads,
                options=tf.compat.v1.RunOptions(
-                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+                   output_partition_graphs=True),
                run_metadata=metadata)
-  return graph, metadata.step_stats
+  return graph, metadata

@@ -16,17 +16,30 @@ Its custom gradient
                                             device='/cpu:1')
 """
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import tensorflow as tf
 
 
-def _Gate(tensors: Sequence[tf.Tensor],
-          after: Sequence[tf.Tensor]) -> List[tf.Tensor]:
-  """Identities of `tensors` that exist only once all of `after` exist."""
+def Gate(tensors: Sequence[tf.Tensor],
+         after: Sequence[Any]) -> List[tf.Tensor]:
+  """Identities of `tensors` that exist only once all of `after` exist.
+
+  The control dependencies are on identities of `after`, not on the ops that
+  made them: when TensorFlow inlines the function call that produced
+  `after`, a control edge on the call becomes one on its side effects only
+  and would not wait for its outputs; an identity reads the output itself.
+
+  Args:
+    tensors: What to pass on.
+    after: Tensors (or None, or composites) to wait for.
+
+  Returns:
+    The identities of `tensors`.
+  """
   after = tf.nest.flatten([t for t in after if t is not None],
                           expand_composites=True)
-  with tf.control_dependencies(after):
+  with tf.control_dependencies([tf.identity(t) for t in after]):
     return [tf.identity(t) for t in tensors]
 
 
@@ -75,7 +88,7 @@ def RecomputingCall(forward: Callable, backward: Callable,
     token_in = flat[-1]
     results = forward(inputs[:n_theta], inputs[n_theta:n_theta + n_x],
                       inputs[n_theta + n_x:], micro_batch_id)
-    chain_out = _Gate([token_in] +
+    chain_out = Gate([token_in] +
                       (inputs[:n_theta] if pass_theta else []), results)
     num_results = len(results)
 
@@ -87,16 +100,21 @@ def RecomputingCall(forward: Callable, backward: Callable,
       # tf.function cache key: it would retrace `backward` at every call.
       with tf.compat.v1.colocate_with(None, ignore_existing=True), \
           tf.device(device):
-        gated = _Gate(inputs, d_flat)
+        gated = Gate(inputs, d_flat)
+        # The gradients of the chain (the token, the weights passed on) are
+        # data inputs too: made by the next micro-batch's backward, which
+        # TensorFlow may inline (a call that keeps its activations).
+        waits = [d for d in [d_token_out] + d_theta_out if d is not None]
         d_inputs = backward(gated[:n_theta], gated[n_theta:n_theta + n_x],
-                            gated[n_theta + n_x:], micro_batch_id, d_results)
+                            gated[n_theta + n_x:], micro_batch_id, d_results,
+                            tf.nest.flatten(waits, expand_composites=True))
         d_theta = [
             _AddOptional(a, b) for a, b in zip(d_inputs[:n_theta], d_theta_out)
         ]
         d_rest = list(d_inputs[n_theta:])
         if d_token_out is None:
           d_token_out = tf.zeros_like(token_in)
-        d_token = _Gate([d_token_out], d_theta + d_rest)[0]
+        d_token = Gate([d_token_out], d_theta + d_rest)[0]
       return d_theta + d_rest + [d_token], [None] * len(variables or [])
 
     return list(results) + chain_out, Grad

@@ -363,7 +363,7 @@ class Stage:
     return y + state
 
   def _Backward(self, theta_flat, x_tensors, state_flat, micro_batch_id,
-                d_outputs):
+                d_outputs, waits=()):
     """Recomputes the body and returns gradients of its differentiable inputs.
 
     Args:
@@ -373,11 +373,16 @@ class Stage:
       micro_batch_id: The same id as in the forward call.
       d_outputs: Gradients of the forward outputs (outputs then state), None
         for outputs that are not differentiable.
+      waits: Tensors the call must wait for, unused inside: as data inputs
+        of the (never inlined, never specialized) call they order it even
+        after tensors made by inlined functions, where control edges would
+        only wait for side effects (`recompute.RecomputingCall`).
 
     Returns:
       Gradients for theta_flat + x_tensors + state_flat, one per entry; zeros
       for unconnected differentiable entries, None for the others.
     """
+    del waits  # Only their existence matters.
     y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id,
                           pinned=False)
     ys, dys = [], []
@@ -422,9 +427,8 @@ class Stage:
     else:
       # TensorFlow differentiates the call itself, keeping its activations.
       results = self.forward(*args)
-      with tf.control_dependencies(results):
-        token = tf.identity(chain.token)
-        theta = [] if last else [tf.identity(t) for t in chain.theta]
+      token, *theta = recompute.Gate(
+          [chain.token] + ([] if last else chain.theta), results)
     num_y = len(results) - self._num_state
     y_iter = iter(results[:num_y])
     outputs = tf.nest.pack_sequence_as(
