@@ -12,18 +12,21 @@ inside the pipeline (1F1B) runs forward and backward actions interleaved in
 one loop in the forward pass, and its gradient scales what that loop
 computed.
 
-Between chunks, activations and gradients travel through **buffers indexed
-by slot**: the input of chunk c is a TensorArray on chunk c's device, written
-at the tick chunk c - 1 produces it and read whenever the table runs chunk c
-on that micro-batch, so no assumption about the distance between producer
-and consumer ticks is made. A slot holds one micro-batch from its write to
-its last read, and slots are reused once free (`_Slots`): a GPipe step
-needs M slots, a 1F1B step only the micro-batches in flight. The same
-buffers are the saved chunk inputs the backward recomputes from. The
-gradients of chunk c's output travel the same way, in buffers on chunk c's
-device. A tick's results are written to their buffers after the devices'
-calls, at the slot the table gives, or at a spare slot when the chunk did
-not run: one write per chunk and tick, no branch.
+A step is a set of **edges** (`_Edge`): the input into chunk 0, chunk c into
+c + 1, the last chunk into the output, and every skip connection. Each edge
+has a **buffer indexed by slot** on its reader's device: written at the tick
+its source produces a micro-batch and read whenever the table runs its
+reader on it, so no assumption about the distance between producer and
+consumer ticks is made, and a skipped tensor goes from its source's device
+to its target's directly. A slot holds one micro-batch from its write to its
+last read, and slots are reused once free (`_Slots`): a GPipe step needs M
+slots, a 1F1B step only the micro-batches in flight. The same buffers are
+the saved chunk inputs the backward recomputes from. The gradients of an
+edge's tensors travel the same way back, in buffers on its source's device.
+A tick's results are written to their buffers after the devices' calls, at
+the slot the table gives, or at a spare slot when the source did not run:
+one write per edge and tick, no branch. Each device reads its action and
+slots from a table on its own device.
 
 Re-materialization (`schedule.RecomputedCalls`): a call that recomputes
 keeps only its input and state and reruns its forward in its backward
