@@ -193,7 +193,7 @@ def testScaleEndToEnd(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize('name, message', [
     ('bad_subcommand', "subcommand 'speedy' is not valid; use one of "
-     "['memory', 'scale', 'speed']"),
+     "['keras', 'memory', 'scale', 'schedules', 'speed']"),
     ('bad_engines', "--engines=unrolled,fast: 'fast' is not one of "
      "['unrolled', 'loop']"),
     ('bad_scale_stages', 'scale: --scale_stages: K=3 is more than '

@@ -506,7 +506,12 @@ def testFrozenBatchNormIsAConstant():
 
 def testMirroredStrategyRunsOnePipelinePerReplica():
   """2 replicas x 2 stages on 4 CPUs: fit as the plain model does."""
-  strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:2'])
+  # Not the default collective all-reduce: a process's collective instance
+  # keys restart with every strategy, so a later strategy's all-reduce (as
+  # in scaleout_test) would meet this one's cached shapes and fail.
+  strategy = tf.distribute.MirroredStrategy(
+      ['/cpu:0', '/cpu:2'],
+      cross_device_ops=tf.distribute.ReductionToOneDevice())
   x, y = Inputs(2 * BATCH), Inputs(2 * BATCH, 1, seed=1)
   weights = {}
   with strategy.scope():

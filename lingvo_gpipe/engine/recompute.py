@@ -25,10 +25,12 @@ def Gate(tensors: Sequence[tf.Tensor],
          after: Sequence[Any]) -> List[tf.Tensor]:
   """Identities of `tensors` that exist only once all of `after` exist.
 
-  The control dependencies are on identities of `after`, not on the ops that
-  made them: when TensorFlow inlines the function call that produced
-  `after`, a control edge on the call becomes one on its side effects only
-  and would not wait for its outputs; an identity reads the output itself.
+  The control dependencies are on identities of `after` as well as on the
+  ops that made them: when TensorFlow inlines the function call that
+  produced `after`, a control edge on the call becomes one on its side
+  effects only and would not wait for its outputs, which an identity reads
+  itself; the edge on the call is still needed, because Grappler inlines a
+  call with side effects only where it has outgoing control edges.
 
   Args:
     tensors: What to pass on.
@@ -39,7 +41,8 @@ def Gate(tensors: Sequence[tf.Tensor],
   """
   after = tf.nest.flatten([t for t in after if t is not None],
                           expand_composites=True)
-  with tf.control_dependencies([tf.identity(t) for t in after]):
+  call_ops = [] if tf.executing_eagerly() else [t.op for t in after]
+  with tf.control_dependencies(call_ops + [tf.identity(t) for t in after]):
     return [tf.identity(t) for t in tensors]
 
 

@@ -429,6 +429,11 @@ class Stage:
       results = self.forward(*args)
       token, *theta = recompute.Gate(
           [chain.token] + ([] if last else chain.theta), results)
+      if last:
+        # Grappler inlines a call with side effects only where it has an
+        # outgoing control edge; the last call's chain goes nowhere, so its
+        # outputs wait for the token (whose identity has that edge).
+        results = recompute.Gate(results, [token])
     num_y = len(results) - self._num_state
     y_iter = iter(results[:num_y])
     outputs = tf.nest.pack_sequence_as(
