@@ -556,14 +556,16 @@ class UpCell(base_layer.BaseLayer):
 
   FProp(theta, inputs, skip): inputs [B, H, W, input_dim] from the coarser
   level, skip [B, 2H, 2W, skip_dim] from the encoder (a skip connection of
-  the pipeline); returns [B, 2H, 2W, output_dim].
+  the pipeline); returns [B, 2H, 2W, output_dim]. With skip_dim=0 it takes
+  no skip (a decoder without the U-Net's shortcuts, for comparison).
   """
 
   @classmethod
   def Params(cls):
     p = super().Params()
     p.Define('input_dim', 0, 'Channels of the coarser level.')
-    p.Define('skip_dim', 0, 'Channels of the skipped encoder features.')
+    p.Define('skip_dim', 0, 'Channels of the skipped encoder features; 0 '
+             'for no skip input.')
     p.Define('output_dim', 0, 'Output channels.')
     p.Define('bn_decay', 0.9, 'Decay of the moving mean and variance.')
     return p
@@ -589,19 +591,30 @@ class UpCell(base_layer.BaseLayer):
     for name, child in self._ChildParams(self.params).items():
       self.CreateChild(name, child)
 
-  def FProp(self, theta, inputs, skip):
+  def FProp(self, theta, inputs, skip=None):
     """Returns the decoder features.
 
     Args:
       theta: This layer's variables.
       inputs: float32 [B, H, W, input_dim].
-      skip: float32 [B, 2H, 2W, skip_dim].
+      skip: float32 [B, 2H, 2W, skip_dim], or None if skip_dim is 0.
 
     Returns:
       float32 [B, 2H, 2W, output_dim].
+
+    Raises:
+      ValueError: if a skip comes with skip_dim=0 or none with skip_dim > 0.
     """
-    with tf.name_scope(self.params.name):
-      x = tf.concat([_Upsample(inputs), skip], axis=-1)
+    p = self.params
+    if (skip is None) != (p.skip_dim == 0):
+      raise ValueError(
+          f'{p.name}: skip_dim={p.skip_dim} but FProp got '
+          f'{"no skip" if skip is None else "a skip"}; the pipeline\'s skips '
+          f'must bring one to {p.name!r} exactly when skip_dim > 0.')
+    with tf.name_scope(p.name):
+      x = _Upsample(inputs)
+      if skip is not None:
+        x = tf.concat([x, skip], axis=-1)
       return self.conv2.FProp(theta.conv2, self.conv1.FProp(theta.conv1, x))
 
   @classmethod

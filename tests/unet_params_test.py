@@ -122,6 +122,27 @@ def test_four_stages_equal_one_stage():
   engine_util.AssertTransparent(four, one)
 
 
+def _Logits(stack_params):
+  """Logits of the tiny U-Net stack on zeros, in eval (no batch statistics)."""
+  with tf.Graph().as_default(), cluster_factory.SetEval(True):
+    stack = stack_params.Instantiate()
+    return stack.FProp(stack.theta, tf.zeros([4, 8, 8, 3]))
+
+
+def test_without_skips_for_comparison():
+  """The documented no-skip variant builds; a mismatched skip raises."""
+  p = TINY.Task().stack
+  p.skips = []
+  for cell in p.cell_tpl[4:6]:
+    cell.skip_dim = 0
+  assert _Logits(p).shape.as_list() == [4, 8, 8, len(image.SHAPES) + 1]
+  p.cell_tpl[5].skip_dim = 4
+  with pytest.raises(ValueError, match=(
+      r"up0: skip_dim=4 but FProp got no skip; the pipeline's skips must "
+      r"bring one to 'up0' exactly when skip_dim > 0")):
+    _Logits(p)
+
+
 @pytest.mark.slow
 def test_documented_command_trains_tiny(tmp_path):
   """docs/training.md's command, on the tiny variant: loss falls, eval runs."""
