@@ -1,6 +1,8 @@
 """GPipeSequentialLayer.FromPipeliningLayer and the drop-in PipeliningLayer."""
 
 import collections
+import os
+import re
 from unittest import mock
 
 from absl import logging
@@ -19,6 +21,7 @@ from lingvo_gpipe import from_lingvo
 from lingvo_gpipe import stacks
 import engine_util
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X = np.random.RandomState(0).randn(8, 4).astype(np.float32)
 
 
@@ -384,3 +387,16 @@ def testPipelineTplCannotOverrideTheLingvoParams():
       r'pipeline_tpl.num_micro_batches=1.')):
     with tf.Graph().as_default():
       p.Instantiate()
+
+
+def testDocsFetchedActivationExampleRuns(capsys):
+  """docs/from_lingvo.md's act_fetch_layers example runs as written."""
+  with open(os.path.join(ROOT, 'docs', 'from_lingvo.md')) as f:
+    text = f.read()
+  section = text[text.index('### Fetched activations'):]
+  code = re.findall(r'```python\n(.*?)```', section, re.S)[0]
+  namespace = {}
+  exec(code, namespace)  # pylint: disable=exec-used
+  assert capsys.readouterr().out == "[('fetch', None)]\n"
+  assert namespace['fetched'].shape.as_list() == [16, 8, 8, 1]
+  assert namespace['logits'].shape.as_list() == [16, 8, 8, 1]

@@ -27,8 +27,9 @@ any failed, 2 for a bad flag or an unreadable source.
 
 Runs from any directory; tools/__init__.py says how it finds the repository.
 The test processes get the repository root on PYTHONPATH (so they import
-this checkout's lingvo_gpipe) and TF_ENABLE_ONEDNN_OPTS=0 (oneDNN breaks
-some Lingvo layers inside while loops; Lingvo's own pipeline has them).
+this checkout's lingvo_gpipe) and TF_ENABLE_ONEDNN_OPTS=0 unless the
+environment sets it (oneDNN breaks some Lingvo layers inside while loops,
+which Lingvo's own pipeline has; the summary lines say when it is on).
 """
 
 import os
@@ -190,7 +191,7 @@ def RunFile(name: str, text: str, workdir: str, reference: bool,
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
       [ROOT] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-  env['TF_ENABLE_ONEDNN_OPTS'] = '0'
+  env.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   env['LINGVO_SUITE_REFERENCE'] = '1' if reference else '0'
   command = [sys.executable, '-m', 'pytest', '-p', 'tools.lingvo_suite_plugin',
@@ -231,6 +232,9 @@ def Run(argv: Sequence[str]) -> Dict[str, Any]:
   source = ResolveSource(f.lingvo_src, f.lingvo_commit)
   texts = {name: ReadTest(source, name) for name in f.tests}
   kind = 'reference: Lingvo' if f.reference else 'drop-ins'
+  onednn = os.environ.get('TF_ENABLE_ONEDNN_OPTS', '0')
+  if onednn != '0':
+    kind += f', TF_ENABLE_ONEDNN_OPTS={onednn}'
   origin = (f'lingvo {source["commit"][:12]}' if source['commit'] else
             f'lingvo tree {source["src"]}')
   workdir = tempfile.mkdtemp(prefix='lingvo_suite_')
@@ -249,7 +253,8 @@ def Run(argv: Sequence[str]) -> Dict[str, Any]:
     sys.stdout.flush()
   failed = sum(len(c['failed']) for c in results.values())
   print(f'pytest output: {workdir}')
-  numbers = {'source': source, 'reference': f.reference, 'results': results}
+  numbers = {'source': source, 'reference': f.reference,
+             'tf_enable_onednn_opts': onednn, 'results': results}
   if failed:
     _WriteJson(numbers)
     print(f'{failed} case(s) failed.')
