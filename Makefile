@@ -44,7 +44,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m 'not slow' tests
 
 # Lingvo's own lingvo/core/gpipe_test.py and layers_with_gpipe_test.py, run
-# unchanged on lingvo_gpipe.stacks' drop-ins (about 11 min, 5 GB). They are
+# unchanged on lingvo_gpipe.stacks' drop-ins (10 to 15 min, 5 GB). They are
 # not in this repository: LINGVO_SRC is a clone of
 # https://github.com/tensorflow/lingvo or its git directory (LINGVO_COMMIT
 # picks a commit; LINGVO_SUITE_FLAGS adds flags, e.g. --reference to run them
