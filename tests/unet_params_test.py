@@ -157,5 +157,5 @@ def test_documented_command_trains_tiny(tmp_path):
   assert match, stdout
   first, last = map(float, match.groups())
   assert last < 0.8 * first
-  assert re.search(r'evaler_dev image.ShapesUNetTiny at step 20: .*'
+  assert re.search(r'eval_dev image.ShapesUNetTiny at step 20: .*'
                    r'shape_accuracy [\d.]+', stdout), stdout
