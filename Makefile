@@ -13,7 +13,7 @@ BAZELRC := $(VENV)/bazelrc
 STANDINS := $(CURDIR)/third_party/bazel
 BAZEL_TARGETS ?= //...
 
-.PHONY: setup train test test-fast bazel-test clean
+.PHONY: setup train test test-fast lingvo-suite bazel-test clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,16 @@ test: $(STAMP)
 # two processes (pytest-xdist): 1 min 42 s on a quiet 2-core machine.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m 'not slow' tests
+
+# Lingvo's own lingvo/core/gpipe_test.py and layers_with_gpipe_test.py, run
+# unchanged on lingvo_gpipe.stacks' drop-ins (10 to 15 min, 5 GB). They are
+# not in this repository: LINGVO_SRC is a clone of
+# https://github.com/tensorflow/lingvo or its git directory (LINGVO_COMMIT
+# picks a commit; LINGVO_SUITE_FLAGS adds flags, e.g. --reference to run them
+# on Lingvo's own classes, or --tests=gpipe_test for the 30 s part).
+lingvo-suite: $(STAMP)
+	$(PY) tools/lingvo_suite.py run --lingvo_src="$(LINGVO_SRC)" \
+	    $(if $(LINGVO_COMMIT),--lingvo_commit="$(LINGVO_COMMIT)") $(LINGVO_SUITE_FLAGS)
 
 # The tests under Bazel 4.2.3 (Debian's bazel-bootstrap, installed if
 # missing), offline. Not what CI runs; see docs/install.md for what passes.

@@ -25,19 +25,42 @@ What carries over:
 * the split: `partition` lists the layers of each Lingvo cell (an empty
   `FeatureExtractionLayer` would be an empty stage: it is left out with a
   warning, one stage fewer);
-* `num_micro_batches` or `micro_batch_size`, `batch_dim`, `nested_map_fprop`
-  and the base-layer params;
+* `num_micro_batches` and `micro_batch_size` (both set: their product must
+  be the batch size, as in Lingvo), `batch_dim`, `nested_map_fprop` and the
+  base-layer params;
 * devices: with `devices=None` stage k runs on the model split's device k,
-  as Lingvo's cell k does.
+  as Lingvo's cell k does;
+* fetched activations (`act_fetch_layers`, `num_act_outputs`,
+  `num_act_inputs`): as `skips` (see below).
 
-What does not, with a ValueError: `SeqLayer.before_tpl` (Lingvo runs those
-layers on the whole batch before splitting it), a `FeatureExtractionLayer`'s
-activation side channels (`num_act_inputs`, `num_act_outputs`,
-`act_fetch_layers`), both `micro_batch_size` and `num_micro_batches` > 1
-(GPipeSequentialLayer takes one), and two layers of the same name in
-different cells. `state_dtype` is not needed: every tensor keeps its own
-dtype. Lingvo lowers M to the batch size when M is larger; a
-GPipeSequentialLayer raises instead.
+Fetched activations. A `FeatureExtractionLayer` appends the activation its
+`act_fetch_layers` (`layers.FetchLayer`s) cached to its outputs, after the
+last `num_act_inputs` of its inputs, which it passes through untouched; the
+next cell's sub-layers see only the inputs before its own last
+`num_act_inputs`. So each fetched activation rides along the cells' trailing
+outputs until a cell takes fewer `num_act_inputs` than arrive (the first
+ones become ordinary inputs of its first layer) or the pipeline ends (Lingvo
+returns it after the main outputs). `Convert` follows each one and makes it
+a skip: (the FetchLayer, the first layer of the cell that consumes it) or
+(the FetchLayer, None) for the pipeline's output, in Lingvo's order. The
+tensor then goes from the fetching stage's device to the consuming one's
+directly, instead of through every stage in between. A fetched FetchLayer
+becomes an `ActivationFetchLayer` (the same layer, which raises if it is
+given more than one tensor: Lingvo fetches only the first of several, a skip
+carries them all).
+
+What does not carry over, with a ValueError: `SeqLayer.before_tpl` (Lingvo
+runs those layers on the whole batch before splitting it), two layers of the
+same name in different cells, and the activation passing that is no skip:
+`num_act_inputs` in the first cell (pipeline inputs passed through) or
+larger than the number of fetched activations that arrive (layer outputs
+passed through), `act_fetch_layers` naming anything but a
+`layers.FetchLayer` of the cell, `num_act_outputs != num_act_inputs +
+len(act_fetch_layers)` (Lingvo asserts it) and fetched activations with
+`nested_map_fprop` (Lingvo's pipeline passes only the NestedMap between its
+cells). `state_dtype` is not needed: every tensor keeps its own dtype.
+Lingvo lowers M to the batch size when M is larger (and micro_batch_size is
+not set); a GPipeSequentialLayer raises instead.
 
 A stack's FProp does more than its pipeline: the batch-major stack computes
 segment masks before it, and both compute the softmax cross-entropy (with
@@ -51,18 +74,19 @@ own name (`<parent>/<name>/<layer>/...`, whatever the split).
 parent; `lingvo_gpipe.checkpoints` renames checkpoints with it.
 """
 
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from absl import logging
 from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import gpipe
 from lingvo.core import hyperparams
+from lingvo.core import layers as lingvo_layers
 
 # GPipeSequentialLayer params that `Convert` sets from Lingvo's params.
 CONVERTED_PARAMS = ('name', 'cell_tpl', 'num_stages', 'partition',
                     'num_micro_batches', 'micro_batch_size', 'batch_dim',
-                    'nested_map_fprop')
+                    'nested_map_fprop', 'skips')
 
 
 class Conversion(NamedTuple):
@@ -94,12 +118,6 @@ def _CheckPipelineParams(p):
         'Lingvo runs those layers on the whole batch before the pipeline. '
         'Run them before this layer, or make them the first layers of '
         'cell_tpl[0] to run them per micro-batch; before_tpl must be [].')
-  if p.micro_batch_size is not None and p.num_micro_batches != 1:
-    raise ValueError(
-        f'micro_batch_size={p.micro_batch_size} and num_micro_batches='
-        f'{p.num_micro_batches} are both set: GPipeSequentialLayer takes one '
-        '(Lingvo requires their product to be the batch size). Keep '
-        'num_micro_batches and set micro_batch_size=None.')
 
 
 def BuiltParams(p: hyperparams.InstantiableParams
@@ -128,36 +146,139 @@ def BuiltParams(p: hyperparams.InstantiableParams
     return p.Instantiate().params.Copy()
 
 
-def _CellLayers(k: int, cell) -> List[Tuple[hyperparams.Params, str]]:
-  """(layer params, Lingvo scope) of each layer of Lingvo cell k.
+class ActivationFetchLayer(lingvo_layers.FetchLayer):
+  """Lingvo's FetchLayer, fetched by its cell: one tensor in, the same out.
+
+  `Convert` gives a FetchLayer named in `act_fetch_layers` this class: its
+  output is the skip that carries the activation on, and Lingvo fetches only
+  the first of several inputs, where a skip would carry them all.
+  """
+
+  def FProp(self, theta, *args):
+    if len(args) != 1:
+      raise ValueError(
+          f'{self.path}: a FetchLayer named in act_fetch_layers gets '
+          f'{len(args)} tensors; Lingvo fetches only the first, which has no '
+          'equivalent. Give it one tensor (put it after a layer with one '
+          'output).')
+    return super().FProp(theta, *args)
+
+
+def _IsFeatureExtraction(cell) -> bool:
+  return cell.cls is gpipe.FeatureExtractionLayer
+
+
+def _CellLayers(cell) -> List[Tuple[hyperparams.Params, str]]:
+  """(layer params, Lingvo scope) of each layer of a Lingvo cell.
 
   Args:
-    k: The cell's index in cell_tpl (for messages).
     cell: The cell's params.
 
   Returns:
     A list of (params, scope relative to the PipeliningLayer's parent).
-
-  Raises:
-    ValueError: for activation side channels, which have no equivalent.
   """
-  if cell.cls is not gpipe.FeatureExtractionLayer:
+  if not _IsFeatureExtraction(cell):
     return [(cell.Copy(), cell.name)]
-  for name, unsupported in (('num_act_inputs', cell.num_act_inputs),
-                            ('num_act_outputs', cell.num_act_outputs),
-                            ('act_fetch_layers', cell.act_fetch_layers)):
-    if unsupported:
-      raise ValueError(
-          f'cell_tpl[{k}] ({cell.name!r}) has {name}={unsupported!r}: '
-          'activation inputs and fetched activations between cells are not '
-          'supported; only 0 and [] are. Return such tensors as outputs of '
-          'the layers instead.')
   layers = []
   for sub in cell.sub:
     layer = base_layer.BaseLayer.CopyBaseParams(cell, sub.Copy())
     layer.name = cell.variable_name_prefix + sub.name
     layers.append((layer, f'{cell.name}/{layer.name}'))
   return layers
+
+
+def _CheckActivationParams(k: int, cell, layer_names: List[str],
+                           nested_map_fprop: bool) -> None:
+  """Raises ValueError for act fields of cell k that cannot become skips.
+
+  Args:
+    k: The cell's index in cell_tpl.
+    cell: Params of a FeatureExtractionLayer.
+    layer_names: The names of its layers (variable_name_prefix included, as
+      `act_fetch_layers` names them).
+    nested_map_fprop: The pipeline's nested_map_fprop.
+  """
+  fetch = list(cell.act_fetch_layers or [])
+  where = f'cell_tpl[{k}] ({cell.name!r})'
+  for name, value in (('num_act_inputs', cell.num_act_inputs),
+                      ('num_act_outputs', cell.num_act_outputs)):
+    if not isinstance(value, int) or value < 0:
+      raise ValueError(f'{where} has {name}={value!r}; use an int >= 0.')
+  if cell.num_act_outputs != cell.num_act_inputs + len(fetch):
+    raise ValueError(
+        f'{where} has num_act_outputs={cell.num_act_outputs}, '
+        f'num_act_inputs={cell.num_act_inputs} and act_fetch_layers={fetch}; '
+        'Lingvo requires num_act_outputs == num_act_inputs + '
+        f'len(act_fetch_layers) = {cell.num_act_inputs + len(fetch)}.')
+  if nested_map_fprop and (fetch or cell.num_act_inputs):
+    raise ValueError(
+        f'{where} has act_fetch_layers={fetch} and num_act_inputs='
+        f'{cell.num_act_inputs} with nested_map_fprop=True: the cells pass '
+        'one NestedMap, with no place for fetched activations (Lingvo\'s '
+        'PipeliningLayer cannot run them either). Put the activation into '
+        'the NestedMap, or use act_fetch_layers=[] and num_act_inputs=0.')
+  by_name = {cell.variable_name_prefix + sub.name: sub for sub in cell.sub}
+  for name in fetch:
+    if name not in by_name:
+      raise ValueError(
+          f'{where} has act_fetch_layers={fetch}: {name!r} is not one of its '
+          f'layers {layer_names}.')
+    if by_name[name].cls is not lingvo_layers.FetchLayer:
+      raise ValueError(
+          f'{where} has act_fetch_layers={fetch}: {name!r} is a '
+          f'{by_name[name].cls.__name__}; only lingvo.core.layers.FetchLayer '
+          'caches an activation to fetch.')
+
+
+def _ActivationSkips(cells, cell_layers: List[List[str]],
+                     nested_map_fprop: bool
+                    ) -> List[Tuple[str, Optional[str]]]:
+  """The skips that carry the fetched activations of Lingvo's cells.
+
+  Each fetched activation rides along the cells' trailing outputs (see the
+  module docstring) until a cell takes fewer num_act_inputs than arrive or
+  the pipeline ends.
+
+  Args:
+    cells: `cell_tpl` of the PipeliningLayer.
+    cell_layers: The names of each cell's layers, in order.
+    nested_map_fprop: The pipeline's nested_map_fprop.
+
+  Returns:
+    (FetchLayer name, name of the layer that receives it or None for the
+    output) pairs, in the order the receivers take them.
+
+  Raises:
+    ValueError: naming the cell and field that has no equivalent.
+  """
+  riding = []  # FetchLayers whose activations trail the current outputs.
+  skips = []
+  for k, (cell, names) in enumerate(zip(cells, cell_layers)):
+    if not _IsFeatureExtraction(cell):
+      # A plain layer takes every output of the cell before as its input.
+      skips += [(fetch, names[0]) for fetch in riding]
+      riding = []
+      continue
+    _CheckActivationParams(k, cell, names, nested_map_fprop)
+    passed = cell.num_act_inputs
+    if passed > len(riding):
+      if k == 0 or not any(cell_layers[:k]):
+        source = 'the last pipeline inputs'
+      else:
+        source = 'outputs of the layers of the cells before it'
+      raise ValueError(
+          f'cell_tpl[{k}] ({cell.name!r}) has num_act_inputs={passed} but '
+          f'only {len(riding)} fetched activation(s) {riding} reach it: it '
+          f'would pass {source} through untouched, which is no skip from a '
+          'layer. Lower num_act_inputs, or fetch those tensors with a '
+          'FetchLayer in act_fetch_layers.')
+    if not names:  # An empty cell passes everything through.
+      continue
+    consumed, riding = riding[:len(riding) - passed], riding[len(riding) -
+                                                             passed:]
+    skips += [(fetch, names[0]) for fetch in consumed]
+    riding += list(cell.act_fetch_layers or [])
+  return skips + [(fetch, None) for fetch in riding]
 
 
 def Convert(p: hyperparams.InstantiableParams,
@@ -177,9 +298,10 @@ def Convert(p: hyperparams.InstantiableParams,
     ValueError: naming the parameter and value that cannot carry over.
   """
   _CheckPipelineParams(p)
-  cells, partition, scopes = [], [], {}
+  cells, partition, scopes, cell_layers = [], [], {}, []
   for k, cell in enumerate(p.cell_tpl):
-    layers = _CellLayers(k, cell)
+    layers = _CellLayers(cell)
+    cell_layers.append([layer.name for layer, _ in layers])
     if not layers:
       logging.warning(
           '%s: cell_tpl[%d] (%r) has no layers; its stage is left out (%d '
@@ -199,9 +321,14 @@ def Convert(p: hyperparams.InstantiableParams,
   if not cells:
     raise ValueError(f'cell_tpl={[c.name for c in p.cell_tpl]} has no '
                      'layers; give at least one.')
+  skips = _ActivationSkips(p.cell_tpl, cell_layers, p.nested_map_fprop)
+  fetched = {source for source, _ in skips}
+  for layer in cells:
+    if layer.name in fetched:
+      layer.cls = ActivationFetchLayer
   out = base_layer.BaseLayer.CopyBaseParams(p, sequential_params.Copy())
   out.Set(name=p.name, cell_tpl=cells, num_stages=len(partition),
           partition=partition, num_micro_batches=p.num_micro_batches,
           micro_batch_size=p.micro_batch_size, batch_dim=p.batch_dim,
-          nested_map_fprop=p.nested_map_fprop)
+          nested_map_fprop=p.nested_map_fprop, skips=skips)
   return Conversion(out, scopes)

@@ -24,10 +24,18 @@ instead of Lingvo's `cell_<k>` children, and the pipelined FProp is ours.
 
 Our pipeline's knobs: the Lingvo params that mean the same thing
 (`num_micro_batches`, `micro_batch_size`, `batch_dim`, `nested_map_fprop`,
-the split) stay where they are; everything else GPipeSequentialLayer has
-(`remat`, `devices`, and whatever it gains later) is set on `p.pipeline_tpl`,
-a GPipeSequentialLayer.Params() passed through. Setting there what the Lingvo
+the split, and the cells' fetched activations, which become `skips`) stay
+where they are; everything else GPipeSequentialLayer has (`remat`, `devices`,
+`engine`, and whatever it gains later) is set on `p.pipeline_tpl`, a
+GPipeSequentialLayer.Params() passed through. Setting there what the Lingvo
 params already say raises a ValueError.
+
+Fetched activations (`FeatureExtractionLayer.act_fetch_layers` with
+`num_act_outputs` / `num_act_inputs`) work as in Lingvo: FProp returns the
+main outputs followed by the activations that reach the end, and a cell that
+takes fewer `num_act_inputs` than arrive gets the others as inputs of its
+first layer. Each goes from its FetchLayer's stage to the stage that uses it
+directly (a skip, see `from_lingvo`), not through the stages between.
 
 Differences from Lingvo's classes:
 
@@ -70,8 +78,9 @@ def _PipelineParams(p):
       raise ValueError(
           f"pipeline_tpl.{name}={value!r}: this field comes from the layer's "
           "Lingvo params (name, cell_tpl or a stack's splits, "
-          'num_micro_batches, micro_batch_size, batch_dim, nested_map_fprop);'
-          f' set it there and leave pipeline_tpl.{name}={default!r}.')
+          'num_micro_batches, micro_batch_size, batch_dim, nested_map_fprop, '
+          "and skips from the cells' act_fetch_layers and num_act_inputs); "
+          f'set it there and leave pipeline_tpl.{name}={default!r}.')
   return p.pipeline_tpl
 
 

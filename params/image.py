@@ -1,4 +1,4 @@
-r"""A GPipe ResNet that classifies generated images of shapes.
+r"""GPipe models of generated images of shapes: a ResNet and a U-Net.
 
 The images are drawn by TensorFlow ops from a stateless random generator, so
 the data needs no files and no network, and image i of a set is the same in
@@ -17,6 +17,29 @@ into stages of equal flops (`partition='flops'`).
 
     python tools/train.py --model=image.ShapesResNet --num_devices=4 \
         --logdir=/tmp/shapes
+
+`ShapesUNet` segments the same images: the target is a class per pixel, 0
+for the background and 1 + the shape's class on the shape. A pixel's class
+needs both what only the coarse levels see (which shape it is) and where the
+outline runs, which only the fine levels resolve: a U-Net hands the fine
+encoder features to the decoder at the same resolution through long skip
+connections, here the pipeline's `skips`. 7 cells on 4 stages:
+
+    stem   16x16x16  ConvBatchNorm           --skip-------------------+
+    down1   8x8x32   ResidualCell, stride 2  --skip-----------+       |
+    down2   4x4x64   ResidualCell, stride 2                   |       |
+    mid     4x4x64   ResidualCell                             |       |
+    up1     8x8x32   UpCell(mid, down1)      <----------------+       |
+    up0    16x16x16  UpCell(up1, stem)       <------------------------+
+    head   16x16x7   PixelLogitsCell
+
+`skips=[('stem', 'up0'), ('down1', 'up1')]` and `partition='flops'` ([3, 1,
+1, 2]: stem, down1 and down2 on CPU:0, mid on CPU:1, up1 on CPU:2, up0 and
+head on CPU:3), so each skip goes from CPU:0 to CPU:2 or CPU:3 directly,
+past the stages between.
+
+    python tools/train.py --model=image.ShapesUNet --num_devices=4 \
+        --logdir=/tmp/unet
 """
 
 from lingvo import compat as tf
@@ -72,6 +95,27 @@ def ShapeMasks(image_size, center_y, center_x, radius):
 def DrawImage(data_seed, index, image_size, num_classes, noise_stddev):
   """Image `index` of the set drawn from `data_seed`, and its label.
 
+  See `DrawImageAndMask`.
+
+  Args:
+    data_seed: int64 scalar, the seed of the set.
+    index: int64 scalar, the image's index in the set.
+    image_size: The height and width, in pixels.
+    num_classes: The number of classes, the first of `SHAPES`.
+    noise_stddev: Standard deviation of the Gaussian pixel noise.
+
+  Returns:
+    (image float32 [image_size, image_size, 3], label int32 scalar).
+  """
+  image, _, label = DrawImageAndMask(data_seed, index, image_size,
+                                     num_classes, noise_stddev)
+  return image, label
+
+
+def DrawImageAndMask(data_seed, index, image_size, num_classes,
+                     noise_stddev):
+  """Image `index` of the set drawn from `data_seed`, its shape and label.
+
   The label is index % num_classes. Radius (15% to 35% of the image size),
   centre (the whole shape inside the image), background colour (uniform) and
   foreground colour (each channel 0.3 to 0.7 away from the background's,
@@ -86,7 +130,8 @@ def DrawImage(data_seed, index, image_size, num_classes, noise_stddev):
     noise_stddev: Standard deviation of the Gaussian pixel noise.
 
   Returns:
-    (image float32 [image_size, image_size, 3], label int32 scalar).
+    (image float32 [image_size, image_size, 3], mask float32 [image_size,
+    image_size] (1 on the shape, 0 elsewhere), label int32 scalar).
   """
   label = tf.cast(index % num_classes, tf.int32)
   seeds = tf.random.experimental.stateless_split(
@@ -104,11 +149,13 @@ def DrawImage(data_seed, index, image_size, num_classes, noise_stddev):
       [image_size, image_size, NUM_CHANNELS], seed=seeds[1],
       stddev=noise_stddev)
   image = background + mask[..., tf.newaxis] * (foreground - background)
-  return image + noise, label
+  return image + noise, mask, label
 
 
 class ShapesInput(base_input_generator.BaseInputGenerator):
   """Batches of generated shape images: image [B, H, W, 3], label [B].
+
+  Subclasses add fields by overriding `_Example`.
 
   A set is `num_samples` images drawn from `data_seed` (see `DrawImage`),
   repeated forever: shuffled anew every epoch (training) or in order, so that
@@ -156,19 +203,25 @@ class ShapesInput(base_input_generator.BaseInputGenerator):
           p.num_samples, seed=p.data_seed, reshuffle_each_iteration=True)
     data_seed = tf.constant(p.data_seed, tf.int64)
     dataset = dataset.repeat().map(
-        lambda index: DrawImage(data_seed, index, p.image_size, p.num_classes,
-                                p.noise_stddev),
+        lambda index: self._Example(data_seed, index),
         num_parallel_calls=tf.data.AUTOTUNE)
     dataset = dataset.batch(self.InfeedBatchSize(), drop_remainder=True)
     return dataset.prefetch(1)
 
+  def _Example(self, data_seed, index):
+    """{field: tensor} of image `index`: 'image' and 'label' (`DrawImage`)."""
+    p = self.params
+    image, label = DrawImage(data_seed, index, p.image_size, p.num_classes,
+                             p.noise_stddev)
+    return {'image': image, 'label': label}
+
   def _InputBatch(self):
     if self._eager_iterator is None:
       iterator = tf.data.make_one_shot_iterator(self._Dataset())
-      images, labels = iterator.get_next()
+      batch = iterator.get_next()
     else:
-      images, labels = next(self._eager_iterator)
-    return py_utils.NestedMap(image=images, label=labels)
+      batch = next(self._eager_iterator)
+    return py_utils.NestedMap(batch)
 
 
 class ConvBatchNorm(base_layer.BaseLayer):
@@ -472,6 +525,273 @@ class ShapesResNetTiny(ShapesResNet):
   IMAGE_SIZE = 8
   CHANNELS = (8, 16)
   BLOCKS_PER_LEVEL = 1
+  BATCH_SIZE = 32
+  TRAIN_SAMPLES = 256
+  DEV_SAMPLES = 64
+  MAX_STEPS = 20
+  LEARNING_RATE = 3e-2
+
+
+# A U-Net: per-pixel classes, long skip connections across stages.
+
+
+class ShapesSegmentationInput(ShapesInput):
+  """`ShapesInput` plus `segment` [B, H, W] int32: 0, or 1 + label."""
+
+  def _Example(self, data_seed, index):
+    p = self.params
+    image, mask, label = DrawImageAndMask(
+        data_seed, index, p.image_size, p.num_classes, p.noise_stddev)
+    segment = tf.cast(mask, tf.int32) * (label + 1)
+    return {'image': image, 'label': label, 'segment': segment}
+
+
+def _Upsample(inputs):
+  """Nearest-neighbour 2x upsampling of [B, H, W, C]."""
+  return tf.repeat(tf.repeat(inputs, 2, axis=1), 2, axis=2)
+
+
+class UpCell(base_layer.BaseLayer):
+  """A U-Net decoder level: upsample, concatenate the skip, two convolutions.
+
+  FProp(theta, inputs, skip): inputs [B, H, W, input_dim] from the coarser
+  level, skip [B, 2H, 2W, skip_dim] from the encoder (a skip connection of
+  the pipeline); returns [B, 2H, 2W, output_dim]. With skip_dim=0 it takes
+  no skip (a decoder without the U-Net's shortcuts, for comparison).
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dim', 0, 'Channels of the coarser level.')
+    p.Define('skip_dim', 0, 'Channels of the skipped encoder features; 0 '
+             'for no skip input.')
+    p.Define('output_dim', 0, 'Output channels.')
+    p.Define('bn_decay', 0.9, 'Decay of the moving mean and variance.')
+    return p
+
+  @classmethod
+  def _ChildParams(cls, p):
+    """{name: ConvBatchNorm Params} of an UpCell with params `p`."""
+    return {
+        'conv1':
+            ConvBatchNorm.Params().Set(
+                name='conv1',
+                filter_shape=(3, 3, p.input_dim + p.skip_dim, p.output_dim),
+                bn_decay=p.bn_decay),
+        'conv2':
+            ConvBatchNorm.Params().Set(
+                name='conv2',
+                filter_shape=(3, 3, p.output_dim, p.output_dim),
+                bn_decay=p.bn_decay),
+    }
+
+  def __init__(self, params):
+    super().__init__(params)
+    for name, child in self._ChildParams(self.params).items():
+      self.CreateChild(name, child)
+
+  def FProp(self, theta, inputs, skip=None):
+    """Returns the decoder features.
+
+    Args:
+      theta: This layer's variables.
+      inputs: float32 [B, H, W, input_dim].
+      skip: float32 [B, 2H, 2W, skip_dim], or None if skip_dim is 0.
+
+    Returns:
+      float32 [B, 2H, 2W, output_dim].
+
+    Raises:
+      ValueError: if a skip comes with skip_dim=0 or none with skip_dim > 0.
+    """
+    p = self.params
+    if (skip is None) != (p.skip_dim == 0):
+      raise ValueError(
+          f'{p.name}: skip_dim={p.skip_dim} but FProp got '
+          f'{"no skip" if skip is None else "a skip"}; the pipeline\'s skips '
+          f'must bring one to {p.name!r} exactly when skip_dim > 0.')
+    with tf.name_scope(p.name):
+      x = _Upsample(inputs)
+      if skip is not None:
+        x = tf.concat([x, skip], axis=-1)
+      return self.conv2.FProp(theta.conv2, self.conv1.FProp(theta.conv1, x))
+
+  @classmethod
+  def FPropMeta(cls, p, inputs, skip=None):
+    """Flops and output shape; the skip's shape follows from `inputs`."""
+    del skip  # [B, 2H, 2W, skip_dim]; cost estimates pass the main input.
+    children = cls._ChildParams(p)
+    concat = tshape.Shape([inputs[0], 2 * inputs[1], 2 * inputs[2],
+                           p.input_dim + p.skip_dim])
+    conv1 = children['conv1'].cls.FPropMeta(children['conv1'], concat)
+    conv2 = children['conv2'].cls.FPropMeta(children['conv2'],
+                                            conv1.out_shapes[0])
+    return py_utils.NestedMap(flops=conv1.flops + conv2.flops,
+                              out_shapes=conv2.out_shapes)
+
+
+class PixelLogitsCell(base_layer.BaseLayer):
+  """A linear projection of every pixel's features to class logits."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dim', 0, 'Input channels.')
+    p.Define('num_classes', 0, 'Number of classes.')
+    return p
+
+  @classmethod
+  def _ProjectionParams(cls, p):
+    return layers.FCLayer.Params().Set(
+        name='logits', input_dim=p.input_dim, output_dim=p.num_classes,
+        activation='NONE')
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild('logits', self._ProjectionParams(self.params))
+
+  def FProp(self, theta, inputs):
+    """Returns logits [B, H, W, num_classes] of inputs [B, H, W, input_dim]."""
+    with tf.name_scope(self.params.name):
+      return self.logits.FProp(theta.logits, inputs)
+
+  @classmethod
+  def FPropMeta(cls, p, inputs):
+    projection = cls._ProjectionParams(p)
+    return projection.cls.FPropMeta(projection, inputs)
+
+
+def UNetCells(channels, num_classes, bn_decay):
+  """The cells of the U-Net and its skips.
+
+  Args:
+    channels: (c0, c1, c2): channels at full, half and quarter resolution.
+    num_classes: Number of per-pixel classes (background included).
+    bn_decay: Decay of every batch norm's moving statistics.
+
+  Returns:
+    (cell Params, skips): the cells stem, down1, down2, mid, up1, up0, head
+    and the (from_cell, to_cell) skips [('stem', 'up0'), ('down1', 'up1')].
+  """
+  c0, c1, c2 = channels
+  cells = [
+      ConvBatchNorm.Params().Set(
+          name='stem', filter_shape=(3, 3, NUM_CHANNELS, c0),
+          bn_decay=bn_decay),
+      ResidualCell.Params().Set(name='down1', input_dim=c0,
+                                      output_dim=c1, stride=2,
+                                      bn_decay=bn_decay),
+      ResidualCell.Params().Set(name='down2', input_dim=c1,
+                                      output_dim=c2, stride=2,
+                                      bn_decay=bn_decay),
+      ResidualCell.Params().Set(name='mid', input_dim=c2, output_dim=c2,
+                                      bn_decay=bn_decay),
+      UpCell.Params().Set(name='up1', input_dim=c2, skip_dim=c1,
+                          output_dim=c1, bn_decay=bn_decay),
+      UpCell.Params().Set(name='up0', input_dim=c1, skip_dim=c0,
+                          output_dim=c0, bn_decay=bn_decay),
+      PixelLogitsCell.Params().Set(name='head', input_dim=c0,
+                                   num_classes=num_classes),
+  ]
+  return cells, [('stem', 'up0'), ('down1', 'up1')]
+
+
+class SegmentationTask(pipelined_task.PipelinedTask):
+  """Per-pixel softmax; `stack` maps images to logits [B, H, W, classes]."""
+
+  def ComputePredictions(self, theta, input_batch):
+    return py_utils.NestedMap(
+        logits=self.stack.FProp(theta.stack, input_batch.image))
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    """Mean per-pixel cross entropy and accuracies of the batch.
+
+    Args:
+      theta: The task's variables.
+      predictions: ComputePredictions' NestedMap.
+      input_batch: The input NestedMap.
+
+    Returns:
+      (metrics, per_example): Lingvo's {name: (value, weight)}: 'loss' and
+      'accuracy' over every pixel, 'shape_accuracy' over the pixels of the
+      shapes (the right shape class there), 'iou' (intersection over union
+      of predicted and true shape pixels, whatever the class), plus the
+      pipeline's bubble fraction in training; and {}.
+    """
+    segment = input_batch.segment
+    logits = predictions.logits
+    pixels = tf.ones_like(segment, tf.float32)
+    loss, accuracy, count = pipelined_task.SoftmaxMetrics(
+        logits, segment, pixels)
+    on_shape = tf.cast(segment > 0, tf.float32)
+    _, shape_accuracy, shape_count = pipelined_task.SoftmaxMetrics(
+        logits, segment, on_shape)
+    predicted_on = tf.cast(
+        tf.argmax(logits, -1, output_type=tf.int32) > 0, tf.float32)
+    union = tf.reduce_sum(tf.maximum(predicted_on, on_shape))
+    iou = tf.reduce_sum(predicted_on * on_shape) / tf.maximum(union, 1.0)
+    batch_metrics = {
+        'loss': (loss, count),
+        'accuracy': (accuracy, count),
+        'shape_accuracy': (shape_accuracy, shape_count),
+        'iou': (iou, union),
+    }
+    batch_metrics.update(self.PipelineMetrics(segment.shape[0]))
+    return batch_metrics, {}
+
+
+@model_registry.RegisterSingleTaskModel
+class ShapesUNet(base_model_params.SingleTaskModelParams):
+  """A 16x16 U-Net on 6 shapes + background, 4 stages, 2 long skips."""
+
+  IMAGE_SIZE = 16
+  NUM_CLASSES = len(SHAPES)
+  NOISE_STDDEV = 0.1
+  CHANNELS = (16, 32, 64)
+  BN_DECAY = 0.9
+  BATCH_SIZE = 64
+  TRAIN_SAMPLES = 16384
+  DEV_SAMPLES = 1024
+  NUM_STAGES = 4
+  NUM_MICRO_BATCHES = 4
+  MAX_STEPS = 500
+  LEARNING_RATE = 1e-2
+
+  def _Input(self, data_seed, num_samples, shuffle):
+    return ShapesSegmentationInput.Params().Set(
+        image_size=self.IMAGE_SIZE, num_classes=self.NUM_CLASSES,
+        noise_stddev=self.NOISE_STDDEV, data_seed=data_seed,
+        num_samples=num_samples, shuffle=shuffle, batch_size=self.BATCH_SIZE)
+
+  def Train(self):
+    return self._Input(1, self.TRAIN_SAMPLES, shuffle=True)
+
+  def Dev(self):
+    return self._Input(2, self.DEV_SAMPLES, shuffle=False)
+
+  def Task(self):
+    p = SegmentationTask.Params().Set(name='shapes_unet')
+    cells, skips = UNetCells(self.CHANNELS, self.NUM_CLASSES + 1,
+                             self.BN_DECAY)
+    p.stack = GPipeSequentialLayer.Params().Set(
+        name='stack', cell_tpl=cells, skips=skips,
+        num_stages=self.NUM_STAGES,
+        num_micro_batches=self.NUM_MICRO_BATCHES, partition='flops',
+        batch_dim=0)
+    pipelined_task.SetTrainSchedule(p.train, self.LEARNING_RATE,
+                                    self.MAX_STEPS, final_value=0.05,
+                                    save_interval_steps=100)
+    p.eval.samples_per_summary = self.DEV_SAMPLES
+    return p
+
+
+@model_registry.RegisterSingleTaskModel
+class ShapesUNetTiny(ShapesUNet):
+  """A seconds-per-run variant for tests: 8x8 images, fewer channels."""
+
+  IMAGE_SIZE = 8
+  CHANNELS = (4, 8, 8)
   BATCH_SIZE = 32
   TRAIN_SAMPLES = 256
   DEV_SAMPLES = 64

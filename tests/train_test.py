@@ -290,7 +290,8 @@ def testRerunAtMaxStepsHasNothingToDo(runs):
 @pytest.mark.parametrize('name,message', [
     ('bad_model', "--model='lm.NoSuchModel' is not a registered model; "
                   'registered: image.ShapesResNet, image.ShapesResNetTiny, '
-                  'lm.GPipeCharLm, lm.GPipeCharLm1F1B, lm.GPipeCharLmTiny, '
+                  'image.ShapesUNet, image.ShapesUNetTiny, lm.GPipeCharLm, '
+                  'lm.GPipeCharLm1F1B, lm.GPipeCharLmTiny, '
                   'lm.GPipeCharLmTiny1F1B, mt.ReverseTransformer, '
                   'mt.ReverseTransformerTiny.'),
     ('bad_value', 'flag --num_devices=0: 0 is not a positive integer'),
