@@ -83,6 +83,15 @@ def Comparisons(small: bool = False) -> List[Comparison]:
       _Gpipe(**tiny, micro=64, remat='always', stages=8, engine='loop'),
       runner_lib.Config('lingvo', tiny['num_layers'], tiny['dim'],
                         tiny['batch'], 5, 64, stages=8, warmups=2), 1.00))
+  # The loop engine's per-tick overhead on tiny stages, which 'auto' weighs
+  # (schedule.LOOP_TICK_SECONDS).
+  comparisons.append(Comparison(
+      'loop / unrolled step, K=8 M=64 '
+      f"({tiny['num_layers']} FC {tiny['dim']}, batch {tiny['batch']})",
+      'step_s',
+      _Gpipe(**tiny, micro=64, remat='always', stages=8, engine='loop'),
+      _Gpipe(**tiny, micro=64, remat='always', stages=8, engine='unrolled'),
+      None))
   # Re-materialization's cost: one extra forward would be about 4/3.
   for threads, label in ((1, 'one thread per op'), (0, 'default threads')):
     plain = runner_lib.Config('plain', **big, steps=5, warmups=2,

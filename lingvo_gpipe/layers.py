@@ -71,13 +71,13 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         'nested_map_fprop', False, 'If True, cells take and return one '
         'NestedMap instead of positional tensors.')
     p.Define(
-        'engine', 'auto', "How the step is built: 'unrolled' (every stage "
+        'engine', 'auto', "How the step is built: 'unrolled' (every chunk "
         "call is a graph node: the fastest steady step, but the graph, its "
-        "trace and XLA compile grow with K x M), 'loop' (while loops over "
-        "the clock ticks: the graph does not grow with M; remat='always' "
-        "only) or 'auto' ('loop' when remat='always' and M >= "
-        f'{schedule.AUTO_LOOP_MIN_MICRO_BATCHES} or on TPU, else '
-        "'unrolled').")
+        "trace and XLA compile grow with K v x M; GPipe and circular "
+        "schedules), 'loop' (while loops over the schedule table's ticks: "
+        "the graph does not grow with M; every schedule) or 'auto' ('loop' "
+        "for a schedule with the loss inside and on TPU, else the engine "
+        "that costs less over a training run, schedule.ChooseEngine).")
     p.Define(
         'virtual_stages', 1, 'v, the chunks of cells per device: the cells '
         'are cut into K * v chunks and chunk c runs on device c mod K, so a '
@@ -297,7 +297,8 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     p = self.params
     return schedule.ChooseEngine(p.engine, self.num_stages, num_micro_batches,
                                  p.remat, compiled_by_xla=py_utils.use_tpu(),
-                                 schedule=p.schedule)
+                                 schedule=p.schedule,
+                                 virtual_stages=p.virtual_stages)
 
   def BubbleFraction(self, batch_size):
     """The idle fraction (K - 1) / (M v + K - 1) of a step with this batch."""

@@ -426,7 +426,8 @@ def _Engine(num_stages: int, num_micro: int) -> str:
   """--engine, with 'auto' resolved as the layer resolves it on CPU."""
   try:
     return schedule.ChooseEngine(FLAGS.engine, num_stages, num_micro,
-                                 FLAGS.remat)
+                                 FLAGS.remat, schedule=FLAGS.schedule,
+                                 virtual_stages=FLAGS.virtual_stages)
   except ValueError as e:
     raise PlanError(str(e)) from e
 

@@ -46,6 +46,37 @@ def Gate(tensors: Sequence[tf.Tensor],
     return [tf.identity(t) for t in tensors]
 
 
+def JointGradients(tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+  """Identities of float `tensors` whose gradients each wait for all of them.
+
+  For the inputs of a call that TensorFlow differentiates itself (one that
+  keeps its activations): inlined, its gradient function yields each input's
+  gradient as soon as that is computed, so the previous call's recompute,
+  waiting through the chain for the weight gradients, could start before
+  the gradient sent to the previous stage exists.
+
+  Args:
+    tensors: Float tensors (the chain's token and weights, the call's float
+      inputs).
+
+  Returns:
+    Their identities.
+  """
+  if not tensors:
+    return []
+
+  @tf.custom_gradient
+  def Joint(*xs):
+
+    def Grad(*dys):
+      dys = [tf.zeros_like(x) if d is None else d for x, d in zip(xs, dys)]
+      return Gate(dys, dys)
+
+    return [tf.identity(x) for x in xs], Grad
+
+  return list(Joint(*tensors))
+
+
 def _AddOptional(a, b):
   """a + b where either may be None and sparse gradients stay sparse."""
   if a is None:

@@ -399,8 +399,8 @@ class Stage:
     return [next(grads) if IsDifferentiable(t) else None for t in wrt]
 
   def Call(self, chain: Chain, inputs: Sequence[MaybeTensor], state: Any,
-           micro_batch_id: tf.Tensor, remat: bool,
-           last: bool) -> Tuple[List[MaybeTensor], Any, Chain]:
+           micro_batch_id: tf.Tensor, remat: bool, last: bool,
+           training: bool = True) -> Tuple[List[MaybeTensor], Any, Chain]:
     """Runs the stage on one micro-batch.
 
     Args:
@@ -412,6 +412,8 @@ class Stage:
         its activations.
       last: Whether this is the stage's last micro-batch of the step (the chain
         then stops passing the weights on).
+      training: Whether the step takes gradients (with remat False, the
+        call's inputs then get joint gradients, `recompute.JointGradients`).
 
     Returns:
       (outputs, state, chain): outputs with None where the body returned None,
@@ -426,9 +428,18 @@ class Stage:
           pass_theta=not last, device=self.device)
     else:
       # TensorFlow differentiates the call itself, keeping its activations.
-      results = self.forward(*args)
+      flat = [chain.token] + list(chain.theta) + x_tensors + state_flat
+      floats = [i for i, t in enumerate(flat)
+                if training and t.dtype.is_floating]
+      joint = recompute.JointGradients([flat[i] for i in floats])
+      for i, t in zip(floats, joint):
+        flat[i] = t
+      token_in, *flat = flat
+      theta_in, flat = flat[:len(chain.theta)], flat[len(chain.theta):]
+      results = self.forward(theta_in, flat[:len(x_tensors)],
+                             flat[len(x_tensors):], micro_batch_id)
       token, *theta = recompute.Gate(
-          [chain.token] + ([] if last else chain.theta), results)
+          [token_in] + ([] if last else theta_in), results)
       if last:
         # Grappler inlines a call with side effects only where it has an
         # outgoing control edge; the last call's chain goes nowhere, so its

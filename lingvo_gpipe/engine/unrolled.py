@@ -112,7 +112,7 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
       y, states[c], chain = chunks[c].Call(
           stage_lib.Chain(tokens[k], thetas_passed[c]), x, states[c],
           first_id + m, remat=training and recomputes[c, m],
-          last=m == last_call[c])
+          last=m == last_call[c], training=training)
     tokens[k], thetas_passed[c] = chain.token, chain.theta
     cut = len(y) - len(outgoing[c])
     outputs[c, m] = y[:cut]

@@ -126,9 +126,9 @@ class GPipeSequential(keras.layers.Layer):
       devices: K device strings, one per stage. None: one stage on the
         default device; else the first K local logical devices of one type
         (per replica under a distribution strategy, see `keras/devices.py`).
-      engine: 'unrolled', 'loop' (remat='always' only) or 'auto' ('loop'
-        when remat='always' and M >= 16 or under XLA, else 'unrolled'); see
-        docs/engines.md.
+      engine: 'unrolled', 'loop' or 'auto' ('loop' for a schedule with the
+        loss inside and under XLA, else the engine that costs less over a
+        training run, `planning.schedule.ChooseEngine`); see docs/engines.md.
       schedule: A key of `planning.schedule.SCHEDULES`.
       virtual_stages: v, chunks per device (circular pipeline): K v chunks,
         chunk c on device c mod K.
@@ -284,7 +284,9 @@ class GPipeSequential(keras.layers.Layer):
     """The engine that builds a call with M micro-batches here."""
     return schedule_lib.ChooseEngine(self.engine, self.num_stages,
                                      num_micro_batches, self.remat,
-                                     compiled_by_xla=_CompiledByXla())
+                                     compiled_by_xla=_CompiledByXla(),
+                                     schedule=self.schedule,
+                                     virtual_stages=self.virtual_stages)
 
   @tf.autograph.experimental.do_not_convert
   def call(self, inputs, training=None):

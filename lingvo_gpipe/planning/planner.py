@@ -381,7 +381,9 @@ def Predict(profile: Profile,
   replica_batch = micro * num_micro_batches
   table = schedule.BuildTable(schedule_name, num_stages, num_micro_batches,
                               virtual_stages)
-  engine = schedule.ChooseEngine('auto', num_stages, num_micro_batches, remat)
+  engine = schedule.ChooseEngine('auto', num_stages, num_micro_batches, remat,
+                                 schedule=schedule_name,
+                                 virtual_stages=virtual_stages)
   cells = profile.cells
   calls = CallOverheads(profile)
   forward = _ChunkSums(

@@ -38,11 +38,15 @@ PHASES = ('forward', 'recompute', 'backward')
 
 # The engines that build a step (see lingvo_gpipe.engine), and 'auto'.
 ENGINES = ('unrolled', 'loop')
-# 'auto' builds the loop engine from this many micro-batches on. Measured
-# (docs/benchmarks.md, scale): starting and training 100 steps, the unrolled
-# engine was cheaper at every K in {2, 4, 8} up to M = 8, the loop engine at
-# every K from M = 16 on; the unrolled engine's start-up grows with M.
-AUTO_LOOP_MIN_MICRO_BATCHES = 16
+# 'auto' weighs the two engines' costs over a training run of this many steps
+# (docs/engines.md#choosing-an-engine): the unrolled engine starts later by
+# about UNROLLED_START_SECONDS x (v M)^2 (Grappler's passes over each
+# device's chain of v M calls grow with its square; measured in graph mode
+# on 2 vCPU, K in {2, 4, 8}, M in {16, ..., 128}), the loop engine steps
+# slower by about LOOP_TICK_SECONDS per tick of the table.
+AUTO_TRAINING_STEPS = 10_000
+UNROLLED_START_SECONDS = 4e-3
+LOOP_TICK_SECONDS = 5e-5
 
 
 class Action(NamedTuple):
@@ -602,19 +606,41 @@ def CheckEngine(engine: str, remat: str, schedule: str = 'gpipe') -> None:
         "all forwards; use engine='loop' or 'auto'.")
 
 
+def EngineCosts(num_stages: int, num_micro_batches: int,
+                virtual_stages: int = 1) -> Tuple[float, float]:
+  """What each engine costs beyond the other over a training run, in seconds.
+
+  Args:
+    num_stages: K.
+    num_micro_batches: M.
+    virtual_stages: v.
+
+  Returns:
+    (unrolled, loop): the unrolled engine's longer start-up and the loop
+    engine's longer steps over AUTO_TRAINING_STEPS steps, by the model above
+    (a forward and a backward tick per chunk call and per bubble tick).
+  """
+  calls_per_device = virtual_stages * num_micro_batches
+  ticks = 2 * (calls_per_device + num_stages - 1)
+  return (UNROLLED_START_SECONDS * calls_per_device**2,
+          AUTO_TRAINING_STEPS * LOOP_TICK_SECONDS * ticks)
+
+
 def ChooseEngine(engine: str,
                  num_stages: int,
                  num_micro_batches: int,
                  remat: str,
                  compiled_by_xla: bool = False,
-                 schedule: str = 'gpipe') -> str:
+                 schedule: str = 'gpipe',
+                 virtual_stages: int = 1) -> str:
   """The engine that builds a step: `engine` itself unless it is 'auto'.
 
   'auto' is 'loop' for a schedule with the loss inside (only the loop
-  engine runs it), when the step is compiled by XLA, or from M =
-  AUTO_LOOP_MIN_MICRO_BATCHES on; else 'unrolled'. Under XLA the unrolled
+  engine runs it) and when the step is compiled by XLA (there the unrolled
   engine's recompute is merged back into the forward pass and saves no
-  memory, the loop engine's is not (docs/engines.md).
+  memory, the loop engine's is not; docs/engines.md). Otherwise it is the
+  engine that costs less over AUTO_TRAINING_STEPS steps (`EngineCosts`):
+  'unrolled' unless v M is large.
 
   Args:
     engine: 'auto', 'unrolled' or 'loop'.
@@ -623,20 +649,22 @@ def ChooseEngine(engine: str,
     remat: One of `REMAT_MODES`.
     compiled_by_xla: Whether XLA compiles the step (e.g. on TPU).
     schedule: A key of `SCHEDULES`.
+    virtual_stages: v.
 
   Returns:
     'unrolled' or 'loop'.
 
   Raises:
     ValueError: on an unknown engine, remat mode or schedule, an engine that
-      cannot run the schedule, or K or M that is not a positive int.
+      cannot run the schedule, or K, M or v that is not a positive int.
   """
   CheckEngine(engine, remat, schedule)
   checks.CheckPositiveInt('num_stages', num_stages)
   checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
+  checks.CheckPositiveInt('virtual_stages', virtual_stages)
   if engine != 'auto':
     return engine
-  if (SCHEDULES[schedule].loss_inside or compiled_by_xla or
-      num_micro_batches >= AUTO_LOOP_MIN_MICRO_BATCHES):
+  if SCHEDULES[schedule].loss_inside or compiled_by_xla:
     return 'loop'
-  return 'unrolled'
+  unrolled, loop = EngineCosts(num_stages, num_micro_batches, virtual_stages)
+  return 'loop' if unrolled > loop else 'unrolled'
