@@ -50,11 +50,12 @@ RUNS = {
         '--virtual_stages=2', '--num_micro_batches=2', '--engine=loop',
         '--json_out={tmp}/circular.json', '--trace_out={tmp}/circular.json.trace'
     ],
-    # The loop engine ('auto' from M = 16), and a circular step on it.
-    'timeline_auto': [
+    # The loop engine, and a circular step on it.
+    'timeline_loop': [
         'timeline', '--num_stages=2', '--num_micro_batches=16',
-        '--cells_per_stage=1', '--fc_dim=8', '--micro_batch_size=1',
-        '--warmup_steps=1', '--json_out={tmp}/tl_auto.json'
+        '--engine=loop', '--cells_per_stage=1', '--fc_dim=8',
+        '--micro_batch_size=1', '--warmup_steps=1',
+        '--json_out={tmp}/tl_loop.json'
     ],
     'timeline_circular': [
         'timeline', '--num_stages=2', '--virtual_stages=2',
@@ -291,7 +292,7 @@ def testTimelineOfARealStep(runs):
 
 
 @pytest.mark.parametrize('name, engine, order', [
-    ('timeline_auto', 'loop', ['F0.0', 'F0.1', 'F0.2']),
+    ('timeline_loop', 'loop', ['F0.0', 'F0.1', 'F0.2']),
     ('timeline_circular', 'loop', ['F0.0', 'F0.1', 'F2.0', 'F2.1', 'F0.2']),
 ])
 def testTimelineOfTheLoopEngine(runs, name, engine, order):

@@ -414,19 +414,30 @@ def testStageOccupancy():
     simulate.StageOccupancy([], 1)
 
 
-@pytest.mark.parametrize('engine,k,m,remat,xla,schedule_name,expected', [
-    ('auto', 8, 15, 'always', False, 'gpipe', 'unrolled'),
-    ('auto', 2, 16, 'always', False, 'gpipe', 'loop'),
-    ('auto', 1, 32, 'never', False, 'gpipe', 'loop'),
-    ('auto', 2, 2, 'always', True, 'gpipe', 'loop'),
-    ('auto', 2, 2, 'never', False, '1f1b', 'loop'),
-    ('unrolled', 8, 64, 'always', True, 'gpipe', 'unrolled'),
-    ('loop', 1, 1, 'except_last', False, 'gpipe', 'loop'),
+@pytest.mark.parametrize('engine,k,m,v,remat,xla,schedule_name,expected', [
+    ('auto', 8, 64, 1, 'always', False, 'gpipe', 'unrolled'),
+    ('auto', 2, 128, 1, 'never', False, 'gpipe', 'unrolled'),
+    ('auto', 2, 128, 4, 'always', False, 'gpipe', 'loop'),
+    ('auto', 1, 512, 1, 'except_last', False, 'gpipe', 'loop'),
+    ('auto', 2, 2, 1, 'always', True, 'gpipe', 'loop'),
+    ('auto', 2, 2, 1, 'never', False, '1f1b', 'loop'),
+    ('unrolled', 8, 64, 1, 'always', True, 'gpipe', 'unrolled'),
+    ('loop', 1, 1, 1, 'except_last', False, 'gpipe', 'loop'),
 ])
-def testChooseEngine(engine, k, m, remat, xla, schedule_name, expected):
-  assert schedule.AUTO_LOOP_MIN_MICRO_BATCHES == 16
-  assert schedule.ChooseEngine(engine, k, m, remat, xla,
-                               schedule_name) == expected
+def testChooseEngine(engine, k, m, v, remat, xla, schedule_name, expected):
+  assert schedule.ChooseEngine(engine, k, m, remat, xla, schedule_name,
+                               virtual_stages=v) == expected
+
+
+def testEngineCostsOfTheMeasuredCase():
+  """K=8, M=64: the unrolled engine starts ~16 s later, steps ~7 ms faster."""
+  assert schedule.AUTO_TRAINING_STEPS == 10_000
+  unrolled, loop = schedule.EngineCosts(8, 64)
+  assert unrolled == pytest.approx(4e-3 * 64**2)  # 16.4 s.
+  assert loop == pytest.approx(10_000 * 5e-5 * 2 * 71)  # 7.1 ms x 10,000.
+  # Where the two meet at K = 2 (v M calls per device).
+  assert [schedule.ChooseEngine('auto', 2, m, 'always')
+          for m in (250, 251)] == ['unrolled', 'loop']
 
 
 @pytest.mark.parametrize('engine,remat,schedule_name,message', [
