@@ -49,10 +49,23 @@ def _CircularCells():
   return test_util.FCCells(8)
 
 
-@pytest.mark.parametrize('k,v', [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)])
-@pytest.mark.parametrize('m', MS + (pytest.param(32, marks=pytest.mark.slow),))
+CIRCULAR_SHAPES = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)]
+
+
+@pytest.mark.parametrize('k,v', CIRCULAR_SHAPES)
+@pytest.mark.parametrize('m', MS)
 def testCircularTransparentInGraph(k, v, m, engine):
   """8 FC cells as K v chunks (K v <= 8), chunk c on device c % K."""
+  _CheckCircularInGraph(k, v, m, engine)
+
+
+@pytest.mark.parametrize('k,v', CIRCULAR_SHAPES)
+def testCircularTransparentInGraphManyMicroBatches(k, v):
+  """M = 32 on the loop engine, whose graph does not grow with M."""
+  _CheckCircularInGraph(k, v, 32, 'loop')
+
+
+def _CheckCircularInGraph(k, v, m, engine):
   p = test_util.PipeParams(_CircularCells(), num_stages=k, virtual_stages=v,
                            num_micro_batches=m, engine=engine)
   pipe, ref, _ = test_util.RunGraph(p, _CircularCells, [CIRCULAR_INPUT])
