@@ -246,16 +246,7 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
 
 def Main(argv: Sequence[str]) -> int:
   """Measures the JSON configuration argv[1]; prints the result line."""
-  try:
-    if len(argv) != 2:
-      raise runner_lib.BenchmarkError(
-          f'takes one JSON configuration, got {list(argv[1:])}.')
-    result = MeasureStep(json.loads(argv[1]))
-  except runner_lib.BenchmarkError as e:
-    print(f'{runner_lib.ERROR_PREFIX}{e}', file=sys.stderr)
-    return 2
-  print(runner_lib.RESULT_PREFIX + json.dumps(result), flush=True)
-  return 0
+  return runner_lib.WorkerMain(argv, MeasureStep)
 
 
 if __name__ == '__main__':

@@ -705,19 +705,16 @@ def Main(argv: Sequence[str]) -> int:
   Returns:
     The exit status: 0, or 2 after printing one error line.
   """
-  try:
-    if len(argv) != 2:
-      raise WorkerError(f'takes one JSON configuration, got {list(argv[1:])}.')
-    config = json.loads(argv[1])
-    action = config.get('action')
-    if action not in ACTIONS:
-      raise WorkerError(f'action={action!r} must be one of {list(ACTIONS)}.')
-    result = (Measure(config) if action == 'measure' else Profile(config))
-  except (WorkerError, runner.BenchmarkError) as e:
-    print(f'{ERROR_PREFIX}{" ".join(str(e).split())}', file=sys.stderr)
-    return 2
-  print(runner.RESULT_PREFIX + json.dumps(result), flush=True)
-  return 0
+  return runner.WorkerMain(argv, _Act, (WorkerError, runner.BenchmarkError),
+                           ERROR_PREFIX)
+
+
+def _Act(config: Dict[str, Any]) -> Dict[str, Any]:
+  """Runs the configuration's action."""
+  action = config.get('action')
+  if action not in ACTIONS:
+    raise WorkerError(f'action={action!r} must be one of {list(ACTIONS)}.')
+  return Measure(config) if action == 'measure' else Profile(config)
 
 
 if __name__ == '__main__':

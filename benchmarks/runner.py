@@ -30,6 +30,33 @@ class BenchmarkError(ValueError):
   """A bad setting or a failed measurement; tools print it on one line."""
 
 
+def WorkerMain(argv: Sequence[str],
+               measure: Callable[[Dict[str, Any]], Dict[str, Any]],
+               errors: tuple = (BenchmarkError,),
+               error_prefix: str = ERROR_PREFIX) -> int:
+  """A worker's main: measures the configuration argv[1], prints the result.
+
+  Args:
+    argv: [program, configuration JSON].
+    measure: Returns the JSON-ready numbers of a configuration.
+    errors: Exception types printed as one error line (exit status 2).
+    error_prefix: What the error line starts with.
+
+  Returns:
+    The exit status: 0, or 2 after printing one error line.
+  """
+  try:
+    if len(argv) != 2:
+      raise BenchmarkError(
+          f'takes one JSON configuration, got {list(argv[1:])}.')
+    result = measure(json.loads(argv[1]))
+  except errors as e:
+    print(f'{error_prefix}{" ".join(str(e).split())}', file=sys.stderr)
+    return 2
+  print(RESULT_PREFIX + json.dumps(result), flush=True)
+  return 0
+
+
 # How a worker builds the training step: a TF1 graph and session, an eager
 # tf.function, or a tf.function that XLA compiles (jit_compile=True).
 MODES = ('graph', 'function', 'xla')

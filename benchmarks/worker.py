@@ -12,9 +12,7 @@ statistics need oneDNN's allocator (TensorFlow's default on x86), which the
 runner makes sure of.
 """
 
-import json
 import statistics
-import sys
 import time
 from typing import Any, Callable, Dict, Sequence, Tuple
 
@@ -218,16 +216,7 @@ def Main(argv: Sequence[str]) -> int:
   Returns:
     The exit status: 0, or 2 after printing one error line.
   """
-  try:
-    if len(argv) != 2:
-      raise runner.BenchmarkError(
-          f'takes one JSON configuration, got {list(argv[1:])}.')
-    result = MeasureStep(json.loads(argv[1]))
-  except runner.BenchmarkError as e:
-    print(f'{runner.ERROR_PREFIX}{e}', file=sys.stderr)
-    return 2
-  print(runner.RESULT_PREFIX + json.dumps(result), flush=True)
-  return 0
+  return runner.WorkerMain(argv, MeasureStep)
 
 
 if __name__ == '__main__':

@@ -184,6 +184,30 @@ def _Targets(tensors: Sequence[Any]) -> List[Any]:
   return [t.op for t in tensors if t.op.type != 'Placeholder']
 
 
+def _FedCell(cell: base_layer.BaseLayer, inputs: Any):
+  """A copy of `cell` in the current graph, with placeholders for `inputs`.
+
+  Args:
+    cell: An instantiated Lingvo layer; the copy is built from its params.
+    inputs: Its FProp inputs: numpy arrays, None or nests of them.
+
+  Returns:
+    (layer, placeholders, args, feed): the copy; one placeholder per flat
+    input (None where the input is None); the FProp arguments in the inputs'
+    structure; the feed dict of the inputs.
+  """
+  py_utils.GetOrCreateGlobalStepVar()
+  layer = cell.params.Copy().Instantiate()
+  flat_inputs = tf.nest.flatten(inputs)
+  placeholders = [
+      None if x is None else tf.compat.v1.placeholder(
+          tf.as_dtype(np.asarray(x).dtype), np.shape(x)) for x in flat_inputs
+  ]
+  feed = {p: x for p, x in zip(placeholders, flat_inputs) if p is not None}
+  return layer, placeholders, tf.nest.pack_sequence_as(inputs,
+                                                       placeholders), feed
+
+
 def _TimeCell(cell: base_layer.BaseLayer, inputs: tuple, num_warmup: int,
               num_runs: int):
   """Times one cell's FProp + gradients in a fresh graph.
@@ -199,15 +223,7 @@ def _TimeCell(cell: base_layer.BaseLayer, inputs: tuple, num_warmup: int,
   """
   graph = tf.Graph()
   with graph.as_default():
-    py_utils.GetOrCreateGlobalStepVar()
-    layer = cell.params.Copy().Instantiate()
-    flat_inputs = tf.nest.flatten(inputs)
-    placeholders = [
-        None if x is None else tf.compat.v1.placeholder(
-            tf.as_dtype(np.asarray(x).dtype), np.shape(x)) for x in flat_inputs
-    ]
-    feed = {p: x for p, x in zip(placeholders, flat_inputs) if p is not None}
-    args = tf.nest.pack_sequence_as(inputs, placeholders)
+    layer, placeholders, args, feed = _FedCell(cell, inputs)
     outputs = layer.FProp(layer.theta, *args)
     flat_outputs = tf.nest.flatten(outputs)
     fetched = [y for y in flat_outputs if y is not None]
@@ -473,15 +489,7 @@ def ProfileCell(cell: base_layer.BaseLayer,
   """
   graph = tf.Graph()
   with graph.as_default():
-    py_utils.GetOrCreateGlobalStepVar()
-    layer = cell.params.Copy().Instantiate()
-    flat_inputs = tf.nest.flatten(inputs)
-    placeholders = [
-        None if x is None else tf.compat.v1.placeholder(
-            tf.as_dtype(np.asarray(x).dtype), np.shape(x)) for x in flat_inputs
-    ]
-    feed = {p: x for p, x in zip(placeholders, flat_inputs) if p is not None}
-    args = tf.nest.pack_sequence_as(inputs, placeholders)
+    layer, placeholders, args, feed = _FedCell(cell, inputs)
     before = len(graph.get_operations())
     outputs = layer.FProp(layer.theta, *args)
     forward_ops = graph.get_operations()[before:]

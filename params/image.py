@@ -471,15 +471,17 @@ class ImageClassifierTask(pipelined_task.PipelinedTask):
     return batch_metrics, {}
 
 
-@model_registry.RegisterSingleTaskModel
-class ShapesResNet(base_model_params.SingleTaskModelParams):
-  """A 16x16 ResNet-14 on 6 shapes, 4 stages, 4 micro-batches of 16 images."""
+class _ShapesModel(base_model_params.SingleTaskModelParams):
+  """What the models on the generated shapes share: data, sizes, schedule.
 
+  Subclasses set INPUT (the input generator class) and build their Task's
+  stack; `_Finish` sets the training schedule and eval size.
+  """
+
+  INPUT = None
   IMAGE_SIZE = 16
   NUM_CLASSES = len(SHAPES)
   NOISE_STDDEV = 0.1
-  CHANNELS = (8, 16, 32)
-  BLOCKS_PER_LEVEL = 2
   BN_DECAY = 0.9
   BATCH_SIZE = 64
   TRAIN_SAMPLES = 16384
@@ -490,7 +492,7 @@ class ShapesResNet(base_model_params.SingleTaskModelParams):
   LEARNING_RATE = 1e-2
 
   def _Input(self, data_seed, num_samples, shuffle):
-    return ShapesInput.Params().Set(
+    return self.INPUT.Params().Set(
         image_size=self.IMAGE_SIZE, num_classes=self.NUM_CLASSES,
         noise_stddev=self.NOISE_STDDEV, data_seed=data_seed,
         num_samples=num_samples, shuffle=shuffle, batch_size=self.BATCH_SIZE)
@@ -500,6 +502,23 @@ class ShapesResNet(base_model_params.SingleTaskModelParams):
 
   def Dev(self):
     return self._Input(2, self.DEV_SAMPLES, shuffle=False)
+
+  def _Finish(self, p):
+    """Sets the task's training schedule and eval size; returns it."""
+    pipelined_task.SetTrainSchedule(p.train, self.LEARNING_RATE,
+                                    self.MAX_STEPS, final_value=0.05,
+                                    save_interval_steps=100)
+    p.eval.samples_per_summary = self.DEV_SAMPLES
+    return p
+
+
+@model_registry.RegisterSingleTaskModel
+class ShapesResNet(_ShapesModel):
+  """A 16x16 ResNet-14 on 6 shapes, 4 stages, 4 micro-batches of 16 images."""
+
+  INPUT = ShapesInput
+  CHANNELS = (8, 16, 32)
+  BLOCKS_PER_LEVEL = 2
 
   def Task(self):
     p = ImageClassifierTask.Params().Set(name='shapes')
@@ -511,11 +530,7 @@ class ShapesResNet(base_model_params.SingleTaskModelParams):
         num_micro_batches=self.NUM_MICRO_BATCHES,
         partition='flops',
         batch_dim=0)
-    pipelined_task.SetTrainSchedule(p.train, self.LEARNING_RATE,
-                                    self.MAX_STEPS, final_value=0.05,
-                                    save_interval_steps=100)
-    p.eval.samples_per_summary = self.DEV_SAMPLES
-    return p
+    return self._Finish(p)
 
 
 @model_registry.RegisterSingleTaskModel
@@ -742,33 +757,11 @@ class SegmentationTask(pipelined_task.PipelinedTask):
 
 
 @model_registry.RegisterSingleTaskModel
-class ShapesUNet(base_model_params.SingleTaskModelParams):
+class ShapesUNet(_ShapesModel):
   """A 16x16 U-Net on 6 shapes + background, 4 stages, 2 long skips."""
 
-  IMAGE_SIZE = 16
-  NUM_CLASSES = len(SHAPES)
-  NOISE_STDDEV = 0.1
+  INPUT = ShapesSegmentationInput
   CHANNELS = (16, 32, 64)
-  BN_DECAY = 0.9
-  BATCH_SIZE = 64
-  TRAIN_SAMPLES = 16384
-  DEV_SAMPLES = 1024
-  NUM_STAGES = 4
-  NUM_MICRO_BATCHES = 4
-  MAX_STEPS = 500
-  LEARNING_RATE = 1e-2
-
-  def _Input(self, data_seed, num_samples, shuffle):
-    return ShapesSegmentationInput.Params().Set(
-        image_size=self.IMAGE_SIZE, num_classes=self.NUM_CLASSES,
-        noise_stddev=self.NOISE_STDDEV, data_seed=data_seed,
-        num_samples=num_samples, shuffle=shuffle, batch_size=self.BATCH_SIZE)
-
-  def Train(self):
-    return self._Input(1, self.TRAIN_SAMPLES, shuffle=True)
-
-  def Dev(self):
-    return self._Input(2, self.DEV_SAMPLES, shuffle=False)
 
   def Task(self):
     p = SegmentationTask.Params().Set(name='shapes_unet')
@@ -779,11 +772,7 @@ class ShapesUNet(base_model_params.SingleTaskModelParams):
         num_stages=self.NUM_STAGES,
         num_micro_batches=self.NUM_MICRO_BATCHES, partition='flops',
         batch_dim=0)
-    pipelined_task.SetTrainSchedule(p.train, self.LEARNING_RATE,
-                                    self.MAX_STEPS, final_value=0.05,
-                                    save_interval_steps=100)
-    p.eval.samples_per_summary = self.DEV_SAMPLES
-    return p
+    return self._Finish(p)
 
 
 @model_registry.RegisterSingleTaskModel
