@@ -54,8 +54,11 @@ _UNROLLED_BACKWARD_RE = re.compile(
 _LOOP_CALL_RE = re.compile(r'(?:.*/)?(forward|backward)_\d+/(?:.*/)?chunk(\d+)/'
                            r'(?:Stateful)?PartitionedCall$')
 # Op types that do no work of a call (transfers, graph plumbing).
+# Asserts are Lingvo's shape checks: on static shapes they read constants
+# and run at once, whenever their call comes.
 _PLUMBING_OPS = frozenset(['_Send', '_Recv', '_HostSend', '_HostRecv', 'NoOp',
-                           '_Arg', '_Retval', 'Identity', 'IdentityN'])
+                           '_Arg', '_Retval', 'Identity', 'IdentityN',
+                           'Assert'])
 _LABEL_RE = re.compile(r'^\S+ = ([\w.]+)\((.*)\)')
 # Nodes the graph partitioner adds (transfers, control edges): '.../_<n>'.
 _PARTITIONER_NODE_RE = re.compile(r'(^|/)_\d+$')
@@ -64,9 +67,10 @@ _PARTITIONER_NODE_RE = re.compile(r'(^|/)_\d+$')
 def StepKernels(step_stats: Any) -> List[Kernel]:
   """The kernels of a `RunMetadata.step_stats` that work on their inputs.
 
-  Kernels without inputs (constants, variable handles, arguments) and the
-  partitioner's transfer and control nodes (`.../_<n>`) are left out: they
-  run whenever the executor gets to them, not when their call runs.
+  Kernels without inputs (constants, variable handles, arguments), asserts
+  and the partitioner's transfer and control nodes (`.../_<n>`) are left
+  out: they run whenever the executor gets to them, not when their call
+  runs.
 
   Args:
     step_stats: A `tf.compat.v1.RunMetadata().step_stats`.
