@@ -70,6 +70,7 @@ $(BAZELRC): $(STAMP) Makefile
 	        '$(cmd) --override_repository=platforms=/usr/share/bazel/platforms') \
 	    'build --python_path=$(CURDIR)/$(PY)' \
 	    "test --test_env=PYTHONPATH=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	    'test --test_env=PATH=$(CURDIR)/$(VENV)/bin:/usr/bin:/bin' \
 	    > $@
 
 clean:
