@@ -377,8 +377,8 @@ class ResidualCell(base_layer.BaseLayer):
     return py_utils.NestedMap(flops=flops, out_shapes=(out_shape,))
 
 
-class PoolingHeadCell(base_layer.BaseLayer):
-  """Global average pooling, then a linear projection to class logits."""
+class _LogitsCell(base_layer.BaseLayer):
+  """A linear projection of input_dim channels to class logits ('logits')."""
 
   @classmethod
   def Params(cls):
@@ -396,6 +396,10 @@ class PoolingHeadCell(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     self.CreateChild('logits', self._ProjectionParams(self.params))
+
+
+class PoolingHeadCell(_LogitsCell):
+  """Global average pooling, then a linear projection to class logits."""
 
   def FProp(self, theta, inputs):
     """Returns logits [B, num_classes] of inputs [B, H, W, input_dim]."""
@@ -646,25 +650,8 @@ class UpCell(base_layer.BaseLayer):
                               out_shapes=conv2.out_shapes)
 
 
-class PixelLogitsCell(base_layer.BaseLayer):
+class PixelLogitsCell(_LogitsCell):
   """A linear projection of every pixel's features to class logits."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('input_dim', 0, 'Input channels.')
-    p.Define('num_classes', 0, 'Number of classes.')
-    return p
-
-  @classmethod
-  def _ProjectionParams(cls, p):
-    return layers.FCLayer.Params().Set(
-        name='logits', input_dim=p.input_dim, output_dim=p.num_classes,
-        activation='NONE')
-
-  def __init__(self, params):
-    super().__init__(params)
-    self.CreateChild('logits', self._ProjectionParams(self.params))
 
   def FProp(self, theta, inputs):
     """Returns logits [B, H, W, num_classes] of inputs [B, H, W, input_dim]."""
