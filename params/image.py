@@ -699,12 +699,8 @@ def UNetCells(channels, num_classes, bn_decay):
   return cells, [('stem', 'up0'), ('down1', 'up1')]
 
 
-class SegmentationTask(pipelined_task.PipelinedTask):
+class SegmentationTask(ImageClassifierTask):
   """Per-pixel softmax; `stack` maps images to logits [B, H, W, classes]."""
-
-  def ComputePredictions(self, theta, input_batch):
-    return py_utils.NestedMap(
-        logits=self.stack.FProp(theta.stack, input_batch.image))
 
   def ComputeLoss(self, theta, predictions, input_batch):
     """Mean per-pixel cross entropy and accuracies of the batch.
