@@ -26,3 +26,16 @@ tf.config.set_logical_device_configuration(
 def engine(request):
   """Runs a test once per engine ('unrolled', 'loop')."""
   return request.param
+
+
+@pytest.fixture(autouse=True)
+def _NoGlobalSeedAfterTheTest():
+  """Unsets TensorFlow's global seed after every test.
+
+  A test that calls `tf.random.set_seed` would otherwise change the eager
+  ops' seeds of the tests after it in the same process (e.g. the order of a
+  seeded `Dataset.shuffle`), which depends on how pytest-xdist spreads the
+  files.
+  """
+  yield
+  tf.random.set_seed(None)
