@@ -239,7 +239,7 @@ def LossStage(theta, inputs, state, micro_batch_id):
   return (tf.reduce_mean(y * y), tf.reduce_max(y)), state
 
 
-def _LossPiped(weights, x, k, m, remat, v=1):
+def _LossPiped(weights, x, k, m, remat, v=1, input_gradients=(True, False)):
   """The loss and metric means of a 1F1B pipeline over the weights."""
   chunks = k * v
   per = len(weights) // chunks
@@ -249,7 +249,9 @@ def _LossPiped(weights, x, k, m, remat, v=1):
   states = [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * chunks
   (loss, metric), states = pipe(
       [weights[i * per:(i + 1) * per] for i in range(chunks)], [x, None],
-      states)
+      states,
+      input_gradients=None if input_gradients is None else
+      list(input_gradients))
   return loss, metric, states
 
 
@@ -313,6 +315,70 @@ def testOneFOneBInFunctionAndXla():
     expected, actual = Step()
     engine_util.AssertTransparent([a.numpy() for a in actual],
                                   [e.numpy() for e in expected])
+
+
+def testOneFOneBComputesTheInputGradientsThatCanBeAskedFor():
+  """With the loss inside, the default input gradients are TensorFlow's.
+
+  TF1: an input fed by a variable or a placeholder gets its gradient, one
+  made of constants none; a tape: the inputs it watches. The unwatched input
+  leaves no gradient buffer in the loop.
+  """
+  def Piped(ws, x):
+    return _LossPiped(ws, x, 2, 4, 'never', input_gradients=None)[0]
+
+  with tf.Graph().as_default() as graph:
+    ws = [tf.constant(w) for w in WEIGHTS]
+    fed = {
+        'placeholder': tf.compat.v1.placeholder_with_default(X32, X32.shape),
+        'variable': tf.Variable(X32) * 1.0,
+    }
+    grads = {name: tf.gradients(Piped(ws, x), [x])[0]
+             for name, x in fed.items()}
+    expected = {name: tf.gradients(_LossPlain(ws, x, 4)[0], [x])[0]
+                for name, x in fed.items()}
+    constant = tf.constant(X32)
+    assert tf.gradients(Piped(ws, constant), [constant]) == [None]
+    with tf.compat.v1.Session(graph=graph) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      actual, wanted = sess.run([grads, expected])
+  for name in fed:
+    engine_util.AssertTransparent(actual[name], wanted[name])
+
+  loop_vars = {}
+
+  def Traced(watch):
+    """Traces a step under a tape; returns the input's gradient."""
+
+    @tf.function(autograph=False)
+    def Step():
+      ws = [tf.constant(w) for w in WEIGHTS]
+      x = tf.constant(X32)
+      with tf.GradientTape() as tape:
+        if watch:
+          tape.watch(x)
+        loss = Piped(ws, x)
+      loop_vars[watch] = max(
+          len(op.inputs) for op in tf.compat.v1.get_default_graph()
+          .get_operations() if op.type in ('While', 'StatelessWhile'))
+      return tape.gradient(loss, x)
+
+    return Step.get_concrete_function().structured_outputs
+
+  assert Traced(True) is not None
+  assert Traced(False) is None
+  # Without the input's gradient buffer, and the gradient chunk 0 sends.
+  assert loop_vars[False] == loop_vars[True] - 2
+
+
+def testBadInputGradientsAreAnError():
+  pipe = pipeline.Pipeline([DenseStage, LossStage], engine_util.CPUS[:2], 2,
+                           engine='loop', schedule='1f1b')
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r"input_gradients=\[1\] must be 2 "
+                       'bools, one per input'):
+      pipe([[tf.constant(WEIGHTS[0])], []], [tf.constant(X32), None],
+           input_gradients=[1])
 
 
 def testOneFOneBGradientThroughAMetricIsAnError():
@@ -436,7 +502,7 @@ def testSkipsWithTheLossInside(v):
             [_SkipStage(c, skips, loss=c == 3) for c in range(4)],
             engine_util.CPUS[:4 // v], m, remat=remat, engine='loop',
             schedule='1f1b', virtual_stages=v, skips=skips)
-        (loss1,), _ = pipe([[w] for w in ws], [x])
+        (loss1,), _ = pipe([[w] for w in ws], [x], input_gradients=[True])
         fetches = [[loss0] + tf.gradients(loss0, ws + [x]),
                    [loss1] + tf.gradients(loss1, ws + [x])]
         with tf.compat.v1.Session(graph=graph,

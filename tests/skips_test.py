@@ -84,7 +84,9 @@ def _Run(k, m, engine, schedule='gpipe', remat='always', v=1):
         num_micro_batches=m, engine=engine, schedule=schedule, remat=remat,
         skips=skips, partition='params' if loss_inside else 'uniform'
     ).Instantiate()
-    x = tf.constant(X)
+    # A placeholder: with the loss inside, the input gradient is computed
+    # for inputs a gradient can be asked for (engine/watched.py).
+    x = tf.compat.v1.placeholder_with_default(X, X.shape)
     out = pipe.FProp(pipe.theta, x)
     ref = Plain(pipe, pipe.theta, x, skips, m, loss_inside)
     wrt = pipe.vars.Flatten() + [x]

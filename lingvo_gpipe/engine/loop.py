@@ -129,11 +129,17 @@ class _Boundary:
   Attributes:
     mask: Per leaf of the edge's structure, whether it is a tensor (not None).
     specs: TensorSpecs of the tensors.
+    differentiable: Per tensor, whether its gradient flows back across the
+      edge (by default: whether it is floating point or complex).
   """
 
-  def __init__(self, mask: Sequence[bool], specs: Sequence[tf.TensorSpec]):
+  def __init__(self, mask: Sequence[bool], specs: Sequence[tf.TensorSpec],
+               differentiable: Optional[Sequence[bool]] = None):
     self.mask = tuple(mask)
     self.specs = list(specs)
+    self.differentiable = (
+        [stage_lib.IsDifferentiable(s) for s in self.specs]
+        if differentiable is None else list(differentiable))
 
   def Structure(self) -> Tuple[Optional[tf.TensorSpec], ...]:
     """The leaves, specs in place of tensors (None where None)."""
@@ -141,7 +147,7 @@ class _Boundary:
     return tuple(next(specs) if present else None for present in self.mask)
 
   def Differentiable(self) -> List[bool]:
-    return [stage_lib.IsDifferentiable(s) for s in self.specs]
+    return list(self.differentiable)
 
 
 class _Edge:
@@ -689,7 +695,8 @@ class _Step:
     d_theta = [_Dense(g) for g in grads[:n_theta]]
     d_x = [_Dense(g) for g in grads[n_theta:n_theta + n_x]]
     d_state = [_Dense(g) for g in grads[n_theta + n_x:len(args) - 1]]
-    values.sent_backward[i] = [g for g in d_x if g is not None]
+    wanted = [d for e in chunk.in_edges for d in self._diff[e]]
+    values.sent_backward[i] = [g for g, d in zip(d_x, wanted) if d]
     if not self.loss_inside:  # The state gradient flows m + 1 -> m.
       values.d_state[i] = [g for g in d_state if g is not None]
     values.d_theta[i] = [total + g for total, g in zip(
@@ -972,6 +979,7 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
         inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
         table: schedule.Table, batch_dim: int, remat: str,
         first_id: tf.Tensor, training: bool,
+        input_gradients: Sequence[bool],
         loss_inside: bool = False,
         skips: Sequence[Tuple[int, Optional[int]]] = ()
        ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
@@ -987,6 +995,8 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
     remat: One of `schedule.REMAT_MODES`.
     first_id: int64 id of micro-batch 0; micro-batch m gets first_id + m.
     training: If False, the forward ticks run alone, saving nothing.
+    input_gradients: Per input, whether the backward computes its gradient
+      (else None); False for None and for tensors that are not floating point.
     loss_inside: Whether the last chunk returns the loss (scalars): the
       outputs are then the means over micro-batches, and in training the
       table's backward runs in the same loop (its `loss_outside` is False).
@@ -1014,7 +1024,9 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
                           shape[batch_dim] // num_micro)
       specs.append(tf.TensorSpec(shape, x.dtype))
   edges = Edges(len(stages), skips)
-  edges[0].boundary = _Boundary([x is not None for x in inputs], specs)
+  edges[0].boundary = _Boundary(
+      [x is not None for x in inputs], specs,
+      [d for x, d in zip(inputs, input_gradients) if x is not None])
   chunks, layout = _Chunks(stages, thetas, edges, states, table, remat,
                            training)
   if loss_inside:

@@ -30,6 +30,7 @@ from lingvo_gpipe.engine import loop
 from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import stage as stage_lib
 from lingvo_gpipe.engine import unrolled
+from lingvo_gpipe.engine import watched
 from lingvo_gpipe.planning import checks
 from lingvo_gpipe.planning import schedule as schedule_lib
 
@@ -129,7 +130,8 @@ class Pipeline:
                inputs: Sequence[Optional[tf.Tensor]],
                states: Optional[Sequence[Any]] = None,
                step: Optional[tf.Tensor] = None,
-               training: bool = True
+               training: bool = True,
+               input_gradients: Optional[Sequence[bool]] = None
               ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
     """Builds one pipelined pass.
 
@@ -140,6 +142,11 @@ class Pipeline:
       step: Integer scalar; micro-batch m of this call gets the id
         step * M + m (default step 0).
       training: If False, nothing is set up for recompute.
+      input_gradients: Per input, whether the backward computes its gradient
+        (the others get None). Default: with the loss outside, every
+        floating-point input (TensorFlow computes those asked for); with the
+        loss inside, where the backward runs in the forward pass, those a
+        gradient can be asked for (`watched.WatchedInputs`).
 
     Returns:
       (outputs, states): the last chunk's outputs merged along batch_dim,
@@ -147,8 +154,9 @@ class Pipeline:
       after its last micro-batch.
 
     Raises:
-      ValueError: if thetas or states do not have C entries, or the batch does
-        not split into M micro-batches.
+      ValueError: if thetas or states do not have C entries, input_gradients
+        not one bool per input, or the batch does not split into M
+        micro-batches.
     """
     num_chunks, num_micro = len(self._stage_fns), self.num_micro_batches
     if len(thetas) != num_chunks:
@@ -158,6 +166,15 @@ class Pipeline:
     if len(states) != num_chunks:
       raise ValueError(f'states has {len(states)} entries, expected '
                        f'{num_chunks}.')
+    if input_gradients is None:
+      input_gradients = (watched.WatchedInputs(inputs) if self.loss_inside
+                         else [True] * len(inputs))
+    elif (len(input_gradients) != len(inputs) or
+          not all(isinstance(d, bool) for d in input_gradients)):
+      raise ValueError(f'input_gradients={list(input_gradients)!r} must be '
+                       f'{len(inputs)} bools, one per input.')
+    input_gradients = [d and x is not None and stage_lib.IsDifferentiable(x)
+                       for x, d in zip(inputs, input_gradients)]
     batch = microbatch.StaticBatchSize(inputs, self.batch_dim)
     if batch is not None:
       microbatch.MicroBatchSize(batch, num_micro)
@@ -178,7 +195,8 @@ class Pipeline:
       return _ENGINES[self.engine](
           chunks, thetas, inputs, states, table=table,
           batch_dim=self.batch_dim, remat=self.remat, first_id=first_id,
-          training=training, loss_inside=self.loss_inside, skips=self.skips)
+          training=training, input_gradients=input_gradients,
+          loss_inside=self.loss_inside, skips=self.skips)
 
 
 def _CheckSkips(skips: Sequence[Tuple[int, Optional[int]]],

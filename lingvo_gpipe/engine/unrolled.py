@@ -50,6 +50,7 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
         inputs: Sequence[Optional[tf.Tensor]], states: List[Any], *,
         table: schedule.Table, batch_dim: int, remat: str,
         first_id: tf.Tensor, training: bool,
+        input_gradients: Sequence[bool],
         loss_inside: bool = False,
         skips: Sequence[Tuple[int, Optional[int]]] = ()
        ) -> Tuple[List[Optional[tf.Tensor]], List[Any]]:
@@ -65,6 +66,8 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
     remat: One of `schedule.REMAT_MODES`.
     first_id: int64 id of micro-batch 0; micro-batch m gets first_id + m.
     training: If False, no call is set up for recompute.
+    input_gradients: Per input, whether it gets a gradient (else None: the
+      input goes through tf.stop_gradient).
     loss_inside: Must be False: schedules with the loss inside run on the
       loop engine (`schedule.CheckEngine`).
     skips: (source chunk, target chunk or None) pairs (`pipeline.Pipeline`):
@@ -89,6 +92,8 @@ def Run(chunks: Sequence[stage_lib.Stage], thetas: Sequence[Any],
              if a is not None and a.phase == schedule.FORWARD]
   last_call = {a.chunk: a.micro_batch for _, a in forward}
   states = list(states)
+  inputs = [x if x is None or wanted else tf.stop_gradient(x)
+            for x, wanted in zip(inputs, input_gradients)]
   with tf.device(chunks[0].device):
     micro_inputs = microbatch.Split(inputs, num_micro, batch_dim)
   # One token per device orders its calls, whichever chunk they belong to;
