@@ -399,8 +399,8 @@ def testAutoNothingFits(runs):
   assert code == 1, stderr
   errors = [l for l in stderr.splitlines() if l.startswith('plan.py: auto:')]
   assert len(errors) == 1, stderr
-  assert ('nothing fits memory_per_device=1024 (1.0 KiB): the smallest '
-          'predicted peak is') in errors[0]
+  assert ('nothing fits 922 B (memory_per_device=1024, 1.0 KiB, less '
+          '--memory_margin=0.1): the smallest predicted peak is') in errors[0]
   assert 'dominated by' in errors[0]
   assert 'Traceback' not in stderr
   with open(os.path.join(runs['tmp'], 'auto_none.json')) as f:

@@ -96,7 +96,7 @@ def testPredictTimeAndMemoryByHand():
   # B1.0 and B0.1 [14, 19], B0.0 [19, 24]. Then the work around the
   # pipeline (0.1), the slower update (0.5) and the overhead (0.2).
   assert c.step_terms == {'pipeline': 24.0, 'outside_pipeline': 0.1,
-                          'update': 0.5, 'overhead': 0.2}
+                          'update': 0.5, 'overhead': 0.2, 'replicas': 0.0}
   assert c.predicted_step_s == pytest.approx(24.8)
   # Device 0 (cell a) runs F0.0 F0.1 B0.1 B0.0. After both forwards: two
   # inputs (2 examples x 2 bytes) and two calls' activations (2 x 10 x 2),
@@ -113,11 +113,38 @@ def testPredictTimeAndMemoryByHand():
   assert c.peak_terms == {'weights': 200, 'optimizer_slots': 120,
                           'gradients': 120, 'stage_inputs': 6,
                           'activations': 40, 'backward_workspace': 0,
-                          'outside_pipeline': 0, 'merged_output': 20}
+                          'outside_pipeline': 0, 'merged_output': 20,
+                          'update_copies': 0}
   assert c.predicted_peak_bytes == 506 and c.fits
   assert c.engine == 'unrolled' and c.replicas == 1
   assert not planner.Predict(profile, 2, 2, 'never', [1, 1],
                              memory_per_device=505).fits
+
+
+def testTheLearnersGradientCopies():
+  # One device, two cells of 100 weight and 100 gradient bytes, no slots or
+  # activations: the pipeline holds 200 + 200 (the gradient sum); the update
+  # scales each gradient into a new tensor: 200 + 200 + 100, so 100 more.
+  cells = [_Cell('a', weight=100.0, gradient=100.0),
+           _Cell('b', weight=100.0, gradient=100.0)]
+  c = planner.Predict(_Profile(cells), 1, 1, 'never', [2])
+  assert c.peak_terms['gradients'] == 200
+  assert c.peak_terms['update_copies'] == 100
+  assert c.predicted_peak_bytes == 200 + 200 + 100
+  # With two devices each holds one cell: 100 + 100, then 100 + 100 + 100.
+  c = planner.Predict(_Profile(cells), 2, 1, 'never', [1, 1])
+  assert c.device_peak_bytes == [300, 300]
+
+
+def testReplicasPayTheirMeasuredOverhead():
+  profile = _Profile(TWO_CELLS, replica_overhead_s=0.3)
+  one = planner.Predict(profile, 2, 1, 'always', [1, 1])
+  two = planner.Predict(profile, 1, 1, 'always', [2], replicas=2)
+  assert one.step_terms['replicas'] == 0.0
+  assert two.step_terms['replicas'] == 0.3
+  assert two.predicted_step_s == pytest.approx(
+      sum(v for k, v in two.step_terms.items()))
+  assert planner.Profile.FromJson(profile.ToJson()) == profile
 
 
 def testBackwardWorkspace():

@@ -183,6 +183,12 @@ flags.DEFINE_string(
     'bytes, or a number with a unit B, KiB, MiB or GiB (e.g. 512MiB). A '
     "configuration fits if its predicted peak on each device is at most "
     'this.')
+flags.DEFINE_float(
+    'memory_margin', 0.1, 'auto: the fraction of --memory_per_device kept '
+    'free for what the model of memory does not see (docs/planning.md, '
+    'measured accuracy: peaks up to 1.19x the prediction): a configuration '
+    'fits if its predicted peak is at most (1 - margin) x memory_per_device.',
+    lower_bound=0.0, upper_bound=0.9)
 flags.DEFINE_integer(
     'batch_size', None, 'auto: B, the examples of one training step over '
     "all replicas. Default: the model's input batch_size. Each replica "
@@ -676,11 +682,22 @@ def _LoadProfile() -> Tuple[planner.Profile, Dict[str, Any]]:
     raw = plan_worker.RunWorker(config, _ROOT)
   except plan_worker.WorkerError as e:
     raise PlanError(str(e)) from e
+  profile = planner.Profile.FromJson(raw)
+  if FLAGS.num_devices > 1 and profile.batch_size % FLAGS.num_devices == 0:
+    # What data parallelism costs beyond the model: its step, measured.
+    replicated = planner.Predict(profile, 1, 1, 'never', [profile.num_cells],
+                                 replicas=FLAGS.num_devices)
+    print(f'Measuring the data-parallel step ({replicated.Describe()}) ...',
+          flush=True)
+    _Measure(profile, replicated, FLAGS.num_devices)
+    raw['replica_overhead_s'] = max(
+        replicated.measured_step_s - replicated.predicted_step_s, 0.0)
+    profile = planner.Profile.FromJson(raw)
   if FLAGS.profile_out:
     with open(FLAGS.profile_out, 'w') as f:
       json.dump(raw, f, indent=2)
     print(f'Wrote {FLAGS.profile_out}')
-  return planner.Profile.FromJson(raw), raw
+  return profile, raw
 
 
 def _CheckAutoFlags() -> None:
@@ -801,15 +818,18 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
     raise PlanError(f'auto takes no positional arguments, got {args}.')
   _CheckAutoFlags()
   budget = ParseBytes('memory_per_device', FLAGS.memory_per_device)
+  planned = budget * (1.0 - FLAGS.memory_margin)
   num_devices = FLAGS.num_devices
   profile, raw = _LoadProfile()
   print(f'{profile.model}: {profile.num_cells} cells '
         f'({", ".join(c.name for c in profile.cells)}), batch '
         f'{profile.batch_size}, {num_devices} devices of '
-        f'{planner.FormatBytes(budget)}; cells profiled on micro-batches of '
+        f'{planner.FormatBytes(budget)} (planned to '
+        f'{planner.FormatBytes(planned)}: --memory_margin='
+        f'{FLAGS.memory_margin:g}); cells profiled on micro-batches of '
         f'{list(profile.profiled_sizes)}.')
   try:
-    result = planner.Search(profile, num_devices, budget, FLAGS.schedules,
+    result = planner.Search(profile, num_devices, planned, FLAGS.schedules,
                             FLAGS.remat_modes, FLAGS.max_micro_batches,
                             FLAGS.max_virtual_stages)
   except ValueError as e:
@@ -822,6 +842,7 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
       'model': profile.model,
       'num_devices': num_devices,
       'memory_per_device': budget,
+      'memory_margin': FLAGS.memory_margin,
       'batch_size': profile.batch_size,
       'candidates': result.candidates,
       'chosen': result.chosen,
@@ -849,7 +870,7 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
     print('Nothing fits: nothing to verify.')
   if FLAGS.baselines:
     usable = [c.schedule for c in result.candidates] or ['gpipe']
-    baselines = _Baselines(profile, best, num_devices, budget, usable[0])
+    baselines = _Baselines(profile, best, num_devices, planned, usable[0])
     print('\nBaselines (predicted):')
     for label, c in baselines:
       print(f'  {label:<9} {c.Describe()}: step '
@@ -885,7 +906,10 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
       with open(FLAGS.json_out, 'w') as f:
         json.dump(numbers, f, indent=2)
       print(f'Wrote {FLAGS.json_out}')
-    raise NothingFits(planner.NothingFits(result))
+    raise NothingFits(planner.NothingFits(
+        result, f'{planner.FormatBytes(planned)} (memory_per_device='
+        f'{budget:.0f}, {planner.FormatBytes(budget)}, less --memory_margin='
+        f'{FLAGS.memory_margin:g})'))
   return numbers
 
 

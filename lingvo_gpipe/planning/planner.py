@@ -27,7 +27,9 @@ engine's calls). The model of memory is the table's
 backward, the activations of running and kept calls, weight gradients from a
 chunk's first backward), plus per device its chunks' weights and optimizer
 slots, plus the work around the pipeline on the first device (input and loss
-temporaries) and the merged output on the last. docs/planning.md says where
+temporaries) and the merged output on the last, or, if more, what the
+learner's update holds (gradients scaled into new tensors). docs/planning.md
+says where
 this is wrong and how far, measured.
 """
 
@@ -43,7 +45,7 @@ from lingvo_gpipe.planning import simulate
 # The terms of a device's predicted peak, in the order they are reported.
 MEMORY_TERMS = ('weights', 'optimizer_slots', 'gradients', 'stage_inputs',
                 'activations', 'backward_workspace', 'outside_pipeline',
-                'merged_output')
+                'merged_output', 'update_copies')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +167,10 @@ class Profile:
       forward and backward, their updates, the work around the pipeline),
       measured on the task's step with the pipeline sequential: the
       learner's gradient norms, clipping and counters, the engine's calls.
+    replica_overhead_s: Seconds a data-parallel step (R > 1) takes beyond
+      the model of it: the gradients' aggregation across replicas, Lingvo's
+      per-replica copies, the replicas' contention for the machine. Measured
+      as the real step of K = 1, R = N minus its prediction without it.
     call_overhead_s: Seconds the engine adds to each forward + backward of
       a call of the whole stack on one micro-batch (measured as the real
       step with two micro-batches minus the one with one, beyond the cells'
@@ -184,6 +190,7 @@ class Profile:
   outside_s: Affine = Affine(0.0, 0.0)
   outside_bytes: Affine = Affine(0.0, 0.0)
   step_overhead_s: float = 0.0
+  replica_overhead_s: float = 0.0
   call_overhead_s: float = 0.0
   model: str = ''
   stack_path: str = 'task.stack'
@@ -203,6 +210,7 @@ class Profile:
         'outside_s': self.outside_s.ToJson(),
         'outside_bytes': self.outside_bytes.ToJson(),
         'step_overhead_s': self.step_overhead_s,
+        'replica_overhead_s': self.replica_overhead_s,
         'call_overhead_s': self.call_overhead_s,
         'model': self.model,
         'stack_path': self.stack_path,
@@ -220,6 +228,7 @@ class Profile:
         outside_s=Affine.FromJson(value.get('outside_s', [0.0, 0.0])),
         outside_bytes=Affine.FromJson(value.get('outside_bytes', [0.0, 0.0])),
         step_overhead_s=float(value.get('step_overhead_s', 0.0)),
+        replica_overhead_s=float(value.get('replica_overhead_s', 0.0)),
         call_overhead_s=float(value.get('call_overhead_s', 0.0)),
         model=value.get('model', ''),
         stack_path=value.get('stack_path', 'task.stack'),
@@ -345,7 +354,7 @@ def Predict(profile: Profile,
   times on the micro-batch (each with its cells' shares of the engine's call
   cost, `CallOverheads`), plus `profile.outside_s` on the replica's batch,
   plus the largest per-device sum of its cells' update times, plus
-  `profile.step_overhead_s`.
+  `profile.step_overhead_s`, plus `profile.replica_overhead_s` if R > 1.
 
   Memory, per device k of one pipeline: its chunks' weights, optimizer slots
   and (from their first backward) weight gradients; the table's stage inputs
@@ -353,7 +362,12 @@ def Predict(profile: Profile,
   is the output of chunk c - 1, or the pipeline's input for c = 0); the
   workspace of a running backward (the largest of its chunks' cells'); on the
   first device, `profile.outside_bytes` (input and loss temporaries); on the
-  device of the last chunk, the merged output of the replica's batch.
+  device of the last chunk, the merged output of the replica's batch. After
+  the pipeline the learner scales every weight gradient into a new tensor
+  (Lingvo's gradient norm clipping needs all of them first): the device then
+  holds its weights, slots, gradients and the largest of its cells'
+  gradients once more; where that exceeds the pipeline's peak, the
+  difference is the term 'update_copies'.
 
   Args:
     profile: The model.
@@ -429,6 +443,13 @@ def Predict(profile: Profile,
     input_part = _HeldInputs(sim, k, inputs, num_stages)
     terms['stage_inputs'] = min(input_part, held)
     terms['activations'] = held - terms['stage_inputs']
+    own_cells = [cell for c in own
+                 for cell in cells[ends[c] - counts[c]:ends[c]]]
+    update_peak = (terms['weights'] + terms['optimizer_slots'] +
+                   sum(gradients[c] for c in own) +
+                   max([cell.gradient_bytes for cell in own_cells],
+                       default=0.0))
+    terms['update_copies'] = max(update_peak - sum(terms.values()), 0.0)
     device_terms.append(terms)
     device_peaks.append(sum(terms.values()))
   peak_device = max(range(num_stages), key=lambda k: device_peaks[k])
@@ -436,7 +457,9 @@ def Predict(profile: Profile,
   update = max(sum(updates[c] for c in range(k, table.num_chunks,
                                                num_stages))
                for k in range(num_stages))
-  step = sim.step_time + outside + update + profile.step_overhead_s
+  replica_s = profile.replica_overhead_s if replicas > 1 else 0.0
+  step = (sim.step_time + outside + update + profile.step_overhead_s +
+          replica_s)
   peak = device_peaks[peak_device]
   return Candidate(
       num_stages=num_stages,
@@ -454,7 +477,8 @@ def Predict(profile: Profile,
       peak_device=peak_device,
       peak_terms=device_terms[peak_device],
       step_terms={'pipeline': sim.step_time, 'outside_pipeline': outside,
-                  'update': update, 'overhead': profile.step_overhead_s},
+                  'update': update, 'overhead': profile.step_overhead_s,
+                  'replicas': replica_s},
       partition_rule=partition_rule,
       bubble_fraction=sim.bubble_fraction)
 
@@ -766,14 +790,25 @@ def Reason(result: SearchResult) -> str:
   return text
 
 
-def NothingFits(result: SearchResult) -> str:
-  """The message when no configuration fits: the smallest peak and its term."""
+def NothingFits(result: SearchResult, budget: Optional[str] = None) -> str:
+  """The message when no configuration fits: the smallest peak and its term.
+
+  Args:
+    result: The search.
+    budget: How to name the budget searched with (default:
+      'memory_per_device=<bytes> (<size>)').
+
+  Returns:
+    The message.
+  """
   if not result.candidates:
     return 'no configuration could be evaluated: ' + ' '.join(result.skipped)
   smallest = min(result.candidates, key=lambda c: c.predicted_peak_bytes)
   term, size = DominantTerm(smallest)
-  return (f'nothing fits memory_per_device={result.memory_per_device:.0f} '
-          f'({FormatBytes(result.memory_per_device)}): the smallest predicted '
+  if budget is None:
+    budget = (f'memory_per_device={result.memory_per_device:.0f} '
+              f'({FormatBytes(result.memory_per_device)})')
+  return (f'nothing fits {budget}: the smallest predicted '
           f'peak is {smallest.predicted_peak_bytes:.0f} bytes '
           f'({FormatBytes(smallest.predicted_peak_bytes)}, '
           f'{smallest.Describe()}, device {smallest.peak_device}), dominated '
