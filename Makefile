@@ -42,7 +42,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The tests not marked slow (no subprocesses, servers or training runs), in
-# two processes (pytest-xdist): 4 min on a quiet 2-core machine.
+# two processes (pytest-xdist): 4 to 6 min on a quiet 2-core machine.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m 'not slow' tests
 
