@@ -60,6 +60,7 @@ if __name__ == '__main__':  # Run as a script: see tools/__init__.py.
       __file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
 import json
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -690,9 +691,9 @@ def _LoadProfile() -> Tuple[planner.Profile, Dict[str, Any]]:
     print(f'Measuring the data-parallel step ({replicated.Describe()}) ...',
           flush=True)
     _Measure(profile, replicated, FLAGS.num_devices)
-    raw['replica_overhead_s'] = max(
-        replicated.measured_step_s - replicated.predicted_step_s, 0.0)
-    profile = planner.Profile.FromJson(raw)
+    profile = dataclasses.replace(profile, replica_overhead_s=max(
+        replicated.measured_step_s - replicated.predicted_step_s, 0.0))
+    raw['replica_overhead_s'] = profile.replica_overhead_s
   if FLAGS.profile_out:
     with open(FLAGS.profile_out, 'w') as f:
       json.dump(raw, f, indent=2)

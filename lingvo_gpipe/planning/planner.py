@@ -29,8 +29,7 @@ chunk's first backward), plus per device its chunks' weights and optimizer
 slots, plus the work around the pipeline on the first device (input and loss
 temporaries) and the merged output on the last, or, if more, what the
 learner's update holds (gradients scaled into new tensors). docs/planning.md
-says where
-this is wrong and how far, measured.
+says where this is wrong and how far, measured.
 """
 
 import dataclasses
