@@ -35,6 +35,17 @@ forward half of TensorFlow's own split of the call (`stage.SplitCall`) and
 stashes the intermediates its backward half reads, in a buffer on its
 device, from the tick of its forward to the tick of its backward.
 
+Two ways to run the same ticks, picked per step (`_ChannelDevices`):
+
+* **per-device loops** (`_DeviceStep`, in a TF1 graph such as Lingvo's
+  trainer builds): one while loop per device over its own actions, idle
+  ticks skipped, as Lingvo's `StackedRecurrent` runs its stages. Outputs
+  and gradients go over Send/Recv channels (`channel.py`) instead of
+  buffers, so a device waits only for the tensors it reads;
+* **lockstep** (`_Step`; inside `tf.function`, under XLA, lowered or eager):
+  one loop for all devices per stretch of ticks, as above; a tick ends when
+  its slowest device is done.
+
 Weight gradients are summed densely: an embedding's sparse (IndexedSlices)
 gradient becomes a dense tensor of the table's shape.
 
@@ -49,7 +60,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from absl import logging
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
+from lingvo_gpipe.engine import channel
 from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import stage as stage_lib
 from lingvo_gpipe.planning import schedule
@@ -270,6 +283,7 @@ class _Layout:
   Attributes:
     table: The schedule.
     edges: The step's edges.
+    training: Whether the step runs backward actions.
     recomputes: {(chunk, micro_batch): whether its backward recomputes}.
     sizes: {(buffer, index): number of slots}.
     slots: {(buffer, index): {micro_batch: slot}}.
@@ -288,6 +302,7 @@ class _Layout:
     self.table = table
     self.edges = list(edges)
     self.recomputes = recomputes
+    self.training = training
     tick = table.tick_of
     num_micro = table.num_micro_batches
 
@@ -571,11 +586,13 @@ class _Step:
       specs = edge.boundary.specs
       with tf.device(self._EdgeDevice(e, 'data')):
         v['data'].append([_Buffer(s, layout.Size('data', e)) for s in specs]
-                         if layout.Size('data', e) else [])
+                         if layout.Size('data', e) and self._Needs('data', e)
+                         else [])
       with tf.device(self._EdgeDevice(e, 'grad')):
         v['grad'].append([_Buffer(s, layout.Size('grad', e))
                           for s, d in zip(specs, self._diff[e]) if d]
-                         if layout.Size('grad', e) else [])
+                         if layout.Size('grad', e) and self._Needs('grad', e)
+                         else [])
     for c, chunk in enumerate(chunks):
       with tf.device(chunk.device):
         v['state'].append(list(states[c]))
@@ -600,6 +617,10 @@ class _Step:
             for s, d in zip(self.edges[e].boundary.specs, self._diff[e]) if d
         ])
     return v
+
+  def _Needs(self, unused_buffer: str, unused_e: int) -> bool:
+    """Whether edge e has a 'data' or 'grad' buffer (if it has slots)."""
+    return True
 
   def _Invariants(self, v: Dict[str, Any]) -> Dict[str, Any]:
     """Shape invariants: buffers unknown, tensors their static shapes.
@@ -638,48 +659,63 @@ class _Step:
         x += [a.read(row['data_read', e]) for a in v['data'][e]]
     return x
 
-  def _OutputGradients(self, c: int, m: tf.Tensor, row: Dict[Any, tf.Tensor],
-                       v: Dict[str, Any]) -> List[Optional[tf.Tensor]]:
-    """The gradients of chunk c's outputs (flat), None where none can be."""
-    d_y = []
-    for e in self.chunks[c].out_edges:
-      if self.edges[e].target is None:
-        d_y += [None if d is None else
-                (d if self.loss_inside else tf.gather(d, m))
-                for d in self.d_outputs[e]]
-      else:
-        given = iter([a.read(row['grad_read', e]) for a in v['grad'][e]])
-        d_y += [next(given) if d else None for d in self._diff[e]]
-    return d_y
+  def _CallForward(self, c: int, keeps: bool, x: List[tf.Tensor],
+                   m: tf.Tensor, row: Dict[Any, tf.Tensor], v: Dict[str, Any]
+                  ) -> Tuple[List[tf.Tensor], List[tf.Tensor],
+                             Optional[List[tf.TensorArray]],
+                             List[tf.TensorArray]]:
+    """Chunk c's forward call on inputs x of micro-batch m.
 
-  def _Forward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
-               v: Dict[str, Any], values: _Values, i: int) -> None:
-    """Chunk c's forward on micro-batch row['micro_batch']; updates values."""
+    Args:
+      c: The chunk.
+      keeps: Whether the call keeps its activations (stashes them).
+      x: Its flat inputs.
+      m: The micro-batch (int32 scalar).
+      row: The tick's fields ('state' and 'stash': the chunk's slots).
+      v: The loop variables.
+
+    Returns:
+      (outputs, state after the call, the stash buffers written or None,
+      the saved-state buffers written).
+    """
     chunk = self.chunks[c]
-    m = row['micro_batch']
-    x = self._Inputs(c, m, row, v)
     state = v['state'][c]
     args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
+    stash = None
     if keeps:
-      results, stash = chunk.split.Forward(args)
-      values.stash[i] = [a.write(row['stash'], t)
-                         for a, t in zip(v['stash'][c], stash)]
+      results, kept = chunk.split.Forward(args)
+      stash = [a.write(row['stash'], t) for a, t in zip(v['stash'][c], kept)]
     else:
       results = chunk.stage.forward(chunk.theta, x, state, args[-1])
     num_y = len(results) - len(state)
-    values.sent_forward[i] = list(results[:num_y])
-    values.state[i] = list(results[num_y:])
-    values.saved_state[i] = [a.write(row['state'], t)
-                             for a, t in zip(v['saved_state'][c], state)]
+    saved_state = [a.write(row['state'], t)
+                   for a, t in zip(v['saved_state'][c], state)]
+    return (list(results[:num_y]), list(results[num_y:]), stash,
+            saved_state)
 
-  def _Backward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
-                v: Dict[str, Any], values: _Values, i: int) -> None:
-    """Chunk c's backward on micro-batch row['micro_batch']; updates values."""
+  def _CallBackward(self, c: int, keeps: bool, x: List[tf.Tensor],
+                    d_y: List[Optional[tf.Tensor]], m: tf.Tensor,
+                    row: Dict[Any, tf.Tensor], v: Dict[str, Any]
+                   ) -> Tuple[List[Optional[tf.Tensor]],
+                              Optional[List[tf.Tensor]], List[tf.Tensor]]:
+    """Chunk c's backward call on micro-batch m.
+
+    Args:
+      c: The chunk.
+      keeps: Whether its forward stashed its activations.
+      x: Its flat inputs.
+      d_y: The gradients of its flat outputs, None where none can be.
+      m: The micro-batch (int32 scalar).
+      row: The tick's fields ('state' and 'stash': the chunk's slots).
+      v: The loop variables.
+
+    Returns:
+      (input gradients, None where none; the new state gradients, or None
+      when they do not flow back (loss inside); the new weight-gradient
+      sums).
+    """
     chunk = self.chunks[c]
-    m = row['micro_batch']
-    x = self._Inputs(c, m, row, v)
     state = [a.read(row['state']) for a in v['saved_state'][c]]
-    d_y = self._OutputGradients(c, m, row, v)
     given = iter(v['d_state'][c])
     d_state = [next(given) if d else None for d in self._diff_state[c]]
     args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
@@ -695,12 +731,50 @@ class _Step:
     d_theta = [_Dense(g) for g in grads[:n_theta]]
     d_x = [_Dense(g) for g in grads[n_theta:n_theta + n_x]]
     d_state = [_Dense(g) for g in grads[n_theta + n_x:len(args) - 1]]
+    # With the loss outside, the state gradient flows m + 1 -> m.
+    new_d_state = (None if self.loss_inside else
+                   [g for g in d_state if g is not None])
+    d_theta = [total + g for total, g in zip(
+        v['d_theta'][c], [g for g in d_theta if g is not None])]
+    return d_x, new_d_state, d_theta
+
+  def _LossGradients(self, e: int, m: tf.Tensor) -> List[Optional[tf.Tensor]]:
+    """The gradients of edge e's tensors (an edge into the output) for m."""
+    return [None if d is None else
+            (d if self.loss_inside else tf.gather(d, m))
+            for d in self.d_outputs[e]]
+
+  def _Forward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
+               v: Dict[str, Any], values: _Values, i: int) -> None:
+    """Chunk c's forward on micro-batch row['micro_batch']; updates values."""
+    m = row['micro_batch']
+    y, state, stash, saved_state = self._CallForward(
+        c, keeps, self._Inputs(c, m, row, v), m, row, v)
+    if stash is not None:
+      values.stash[i] = stash
+    values.sent_forward[i] = y
+    values.state[i] = state
+    values.saved_state[i] = saved_state
+
+  def _Backward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
+                v: Dict[str, Any], values: _Values, i: int) -> None:
+    """Chunk c's backward on micro-batch row['micro_batch']; updates values."""
+    chunk = self.chunks[c]
+    m = row['micro_batch']
+    d_y = []
+    for e in chunk.out_edges:
+      if self.edges[e].target is None:
+        d_y += self._LossGradients(e, m)
+      else:
+        given = iter([a.read(row['grad_read', e]) for a in v['grad'][e]])
+        d_y += [next(given) if d else None for d in self._diff[e]]
+    d_x, d_state, d_theta = self._CallBackward(
+        c, keeps, self._Inputs(c, m, row, v), d_y, m, row, v)
     wanted = [d for e in chunk.in_edges for d in self._diff[e]]
     values.sent_backward[i] = [g for g, d in zip(d_x, wanted) if d]
-    if not self.loss_inside:  # The state gradient flows m + 1 -> m.
-      values.d_state[i] = [g for g in d_state if g is not None]
-    values.d_theta[i] = [total + g for total, g in zip(
-        v['d_theta'][c], [g for g in d_theta if g is not None])]
+    if d_state is not None:
+      values.d_state[i] = d_state
+    values.d_theta[i] = d_theta
 
   def Run(self, ticks: Sequence[schedule.Tick], v: Dict[str, Any],
           name: str) -> Dict[str, Any]:
@@ -873,6 +947,268 @@ class _Step:
                                             self._diff_state)])
 
 
+class _DeviceStep(_Step):
+  """The loops of one step as one while loop per device, joined by channels.
+
+  Device k's loop runs its own actions in table order, skipping its idle
+  ticks. A forward receives each input (`channel.Channel`) from the device
+  that produced it and sends each output to the device that reads it; a
+  backward receives its output gradients and sends its input gradients the
+  same way. A Recv waits for its Send, so a device waits only for what it
+  reads, not for every device's tick to end. A channel's k-th Recv gets its
+  k-th Send: every edge's reader must take the micro-batches in the order its
+  writer produces them (`ChannelOrderHolds`), as all built-in tables do.
+  The input, the output, states, stashes and the saved inputs a backward
+  reads stay in buffers on their device, at the slots `_Layout` gives.
+  """
+
+  def __init__(self, chunks: Sequence[_Chunk], layout: _Layout,
+               stacked_inputs: List[tf.Tensor], first_id: tf.Tensor,
+               loss_inside: bool, devices: Sequence[str]):
+    super().__init__(chunks, layout, stacked_inputs, first_id, loss_inside)
+    table = layout.table
+    self._channels = {}
+    for e, edge in enumerate(self.edges):
+      if edge.source is None or edge.target is None:
+        continue
+      writer = devices[table.Device(edge.source)]
+      reader = devices[table.Device(edge.target)]
+      specs = edge.boundary.specs
+      self._channels[e, 'data'] = [
+          channel.Channel(s, writer, reader, f'edge{e}_data') for s in specs]
+      self._channels[e, 'grad'] = [
+          channel.Channel(s, reader, writer, f'edge{e}_grad')
+          for s, d in zip(specs, self._diff[e]) if d]
+
+  def _Needs(self, buffer: str, e: int) -> bool:
+    """Whether edge e has a buffer: for the output, the input's gradients,
+    and (in training) the saved inputs of the chunk that reads it."""
+    edge = self.edges[e]
+    if buffer == 'data':
+      return edge.target is None or (edge.source is not None and
+                                     self.layout.training)
+    return edge.source is None
+
+  def _Forward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
+               v: Dict[str, Any], new: Dict[str, Any]) -> List[tf.Operation]:
+    """Chunk c's forward; updates `new`, returns its Send ops."""
+    chunk = self.chunks[c]
+    m = row['micro_batch']
+    x = []
+    for e in chunk.in_edges:
+      if self.edges[e].source is None:
+        x += [tf.gather(t, m) for t in self.stacked_inputs]
+        continue
+      received = [ch.Recv() for ch in self._channels[e, 'data']]
+      new['data'][e] = [a.write(row['data_read', e], t)
+                        for a, t in zip(v['data'][e], received)]
+      x += received
+    y, new['state'][c], stash, new['saved_state'][c] = self._CallForward(
+        c, keeps, x, m, row, v)
+    if stash is not None:
+      new['stash'][c] = stash
+    sends = []
+    for e in chunk.out_edges:
+      part = self._Slice(y, chunk.out_edges, e,
+                         lambda f: self.edges[f].boundary.specs)
+      if self.edges[e].target is None:
+        new['data'][e] = [a.write(m, t) for a, t in zip(v['data'][e], part)]
+      else:
+        sends += [ch.Send(t) for ch, t in zip(self._channels[e, 'data'],
+                                               part)]
+    return sends
+
+  def _Backward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
+                v: Dict[str, Any], new: Dict[str, Any]) -> List[tf.Operation]:
+    """Chunk c's backward; updates `new`, returns its Send ops."""
+    chunk = self.chunks[c]
+    m = row['micro_batch']
+    d_y = []
+    for e in chunk.out_edges:
+      if self.edges[e].target is None:
+        d_y += self._LossGradients(e, m)
+      else:
+        received = iter([ch.Recv() for ch in self._channels[e, 'grad']])
+        d_y += [next(received) if d else None for d in self._diff[e]]
+    d_x, d_state, new['d_theta'][c] = self._CallBackward(
+        c, keeps, self._Inputs(c, m, row, v), d_y, m, row, v)
+    if d_state is not None:
+      new['d_state'][c] = d_state
+    sends, start = [], 0
+    for e in chunk.in_edges:
+      grads = [g for g, d in zip(d_x[start:], self._diff[e]) if d]
+      start += len(self._diff[e])
+      if self.edges[e].source is None:
+        new['grad'][e] = [a.write(m, g) for a, g in zip(v['grad'][e], grads)]
+      else:
+        sends += [ch.Send(g) for ch, g in zip(self._channels[e, 'grad'],
+                                               grads)]
+    return sends
+
+  def _Carried(self, k: int, phases: Sequence[str]) -> List[Tuple[str, int]]:
+    """The (field, index) loop variables device k's actions change."""
+    table = self.layout.table
+    own = range(k, len(self.chunks), self.num_devices)
+    carried = []
+    for field in ('state', 'saved_state', 'stash', 'd_state', 'd_theta'):
+      if any(field in _CHANGED[p] for p in phases) and not (
+          field == 'd_state' and self.loss_inside):
+        carried += [(field, c) for c in own]
+    for e, edge in enumerate(self.edges):
+      if F in phases and self._Needs('data', e):
+        reader = edge.target if edge.target is not None else edge.source
+        if table.Device(reader) == k:
+          carried.append(('data', e))
+      if B in phases and self._Needs('grad', e) and table.Device(0) == k:
+        carried.append(('grad', e))
+    return carried
+
+  def Run(self, ticks: Sequence[schedule.Tick], v: Dict[str, Any],
+          name: str) -> Dict[str, Any]:
+    """Runs the ticks as one while loop per device; returns the vars."""
+    v = {key: list(value) for key, value in v.items()}
+    result = {key: list(value) for key, value in v.items()}
+    finals, dones = [], []
+    for k in range(self.num_devices):
+      actions = [tick[k] for tick in ticks if tick[k] is not None]
+      if not actions:
+        continue
+      phases = sorted({a.phase for a in actions})
+      carried = self._Carried(k, phases)
+      choices, hosted, rows = self._Rows(k, actions)
+
+      def Body(t, values, choices=choices, hosted=hosted, rows=rows,
+               carried=carried, k=k):
+        current = {key: list(value) for key, value in v.items()}
+        for (field, i), value in zip(carried, values):
+          current[field][i] = value
+        row = dict(zip(hosted, tf.unstack(tf.constant(rows, tf.int32)[t])))
+
+        def Action(choice):
+          phase, c, keeps = choice
+          new = {key: list(value) for key, value in current.items()}
+          with tf.name_scope(f'chunk{c}'):  # engine/trace.py reads it.
+            sends = (self._Forward if phase == F else self._Backward)(
+                c, keeps, row, current, new)
+          with tf.control_dependencies(sends):
+            done = tf.identity(t)
+          return [new[field][i] for field, i in carried], done
+
+        new_values, done = _Dispatch(choices, False, row['branch'], Action,
+                                     None, f'device{k}_{"_".join(phases)}')
+        with tf.control_dependencies([done]):
+          return t + 1, new_values
+
+      with tf.device(self.chunks[k].device), tf.name_scope(f'device{k}'):
+        initial = [v[field][i] for field, i in carried]
+        results = tf.while_loop(
+            lambda t, _, n=len(actions): t < n, Body,
+            (tf.constant(0), initial),
+            shape_invariants=(tf.TensorShape([]), tf.nest.map_structure(
+                lambda x: tf.TensorShape(None) if isinstance(
+                    x, tf.TensorArray) else x.shape, initial)),
+            maximum_iterations=len(actions), name=f'{name}_device{k}')
+        _KeepUnlowered(results[0], ('While', 'StatelessWhile'))
+      finals.append((k, carried, results[1]))
+      dones.append(results[0])
+    # A loop's results wait for every loop: nothing else joins the loops in
+    # the graph, and a fetch that needs one loop must run those it receives
+    # from, or its Recv would wait forever.
+    with tf.control_dependencies(dones):
+      for k, carried, values in finals:
+        with tf.device(self.chunks[k].device):
+          for (field, i), value in zip(carried, values):
+            result[field][i] = [
+                x.identity() if isinstance(x, tf.TensorArray) else
+                tf.identity(x) for x in value]
+    return result
+
+  def _Rows(self, k: int, actions: Sequence[schedule.Action]):
+    """Device k's branches, the fields of its rows, and a row per action."""
+    layout = self.layout
+    choices = []
+    for action in actions:
+      if layout.Key(action) not in choices:
+        choices.append(layout.Key(action))
+    saved = [e for e, edge in enumerate(self.edges)
+             if edge.source is not None and edge.target is not None and
+             layout.table.Device(edge.target) == k]
+    hosted = list(_Layout.DEVICE_FIELDS) + [('data_read', e) for e in saved]
+    rows = []
+    for action in actions:
+      phase, c, m = action
+      rows.append([choices.index(layout.Key(action)), m,
+                   layout.Slot('state', c, m), layout.Slot('stash', c, m)] +
+                  [layout.Slot('data', e, m) if self.edges[e].target == c
+                   else 0 for e in saved])
+    return choices, hosted, rows
+
+
+def ChannelOrderHolds(table: schedule.Table,
+                      edges: Sequence[_Edge]) -> bool:
+  """Whether every edge's reader takes micro-batches in its writer's order.
+
+  Per-device loops pass an edge's tensors (and gradients) over a channel,
+  which delivers them in the order they were sent.
+
+  Args:
+    table: The schedule.
+    edges: The step's edges.
+
+  Returns:
+    True if, for every edge between chunks, its target's forwards take the
+    micro-batches in the order of its source's forwards, and its source's
+    backwards in the order of its target's backwards.
+  """
+  order = {}
+  for tick in table.ticks:
+    for action in tick:
+      if action is not None:
+        order.setdefault((action.phase, action.chunk), []).append(
+            action.micro_batch)
+  return all(order.get((F, e.source)) == order.get((F, e.target)) and
+             order.get((B, e.source)) == order.get((B, e.target))
+             for e in edges if e.source is not None and e.target is not None)
+
+
+def _ChannelDevices(chunks: Sequence[_Chunk],
+                    layout: _Layout) -> Optional[List[str]]:
+  """The devices' full names if the step runs as per-device loops, or None.
+
+  Per-device loops (`_DeviceStep`) run where the K loops run at once and
+  their Send and Recv ops can meet: in a TF1 graph (a session's executor
+  runs each functional While as a callback chain on its thread pool), with
+  control flow v2, loops not lowered (lowered, each loop's ops key their
+  tensors by its own frame) and no XLA (which compiles no Send or Recv);
+  with K >= 2 distinct, fully named devices, and every edge's micro-batches
+  in one order at both ends (`ChannelOrderHolds`). Not eagerly, where the
+  loops run one after the other, nor inside a `tf.function`: TensorFlow's
+  function runtime may run a function's While loops synchronously, one at
+  a time on one thread, and a loop waiting for a Recv would wait forever.
+  Elsewhere the ticks run in lockstep (`_Step`), with the same results.
+
+  Args:
+    chunks: The step's chunks.
+    layout: Its layout.
+
+  Returns:
+    K full device names, or None.
+  """
+  table = layout.table
+  if (table.num_devices < 2 or LOWER_CONTROL_FLOW or tf.executing_eagerly()
+      or tf.compat.v1.get_default_graph().building_function or
+      not tf.compat.v1.control_flow_v2_enabled() or
+      control_flow_util.GraphOrParentsInXlaContext(
+          tf.compat.v1.get_default_graph()) or
+      not ChannelOrderHolds(table, layout.edges)):
+    return None
+  names = [channel.FullDeviceName(chunks[k].device)
+           for k in range(table.num_devices)]
+  if None in names or len(set(names)) < len(names):
+    return None
+  return names
+
+
 def _PhaseTicks(table: schedule.Table) -> List[Tuple[str, Sequence[
     schedule.Tick]]]:
   """The table's ticks as the loops run them.
@@ -1038,11 +1374,15 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
            [len(c.state) for c in chunks])
   output_edges = [e for e, edge in enumerate(edges) if edge.target is None]
 
+  devices = _ChannelDevices(chunks, layout)
+
   def NewStep(flat):
     """A `_Step` over the weights and stacked inputs in `flat`."""
     theta, (x,), _ = _Unjoin(flat, sizes)
     for chunk, chunk_theta in zip(chunks, theta):
       chunk.theta = chunk_theta
+    if devices:
+      return _DeviceStep(chunks, layout, x, first_id, loss_inside, devices)
     return _Step(chunks, layout, x, first_id, loss_inside)
 
   flat = _Join([c.theta for c in chunks]) + stacked + _Join(
