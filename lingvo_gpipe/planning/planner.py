@@ -348,8 +348,9 @@ def Predict(profile: Profile,
             partition_rule: str = 'fastest') -> Candidate:
   """The predicted step time and per-device peak of one configuration.
 
-  Time: `simulate.Simulate` of the schedule table (lockstep ticks if
-  engine='auto' picks the loop engine) with per-chunk forward and backward
+  Time: `simulate.Simulate` of the schedule table as dataflow (in the
+  graph mode of Lingvo's trainer the loop engine runs one loop per device:
+  neither engine runs ticks in lockstep) with per-chunk forward and backward
   times on the micro-batch (each with its cells' shares of the engine's call
   cost, `CallOverheads`), plus `profile.outside_s` on the replica's batch,
   plus the largest per-device sum of its cells' update times, plus
@@ -415,7 +416,7 @@ def Predict(profile: Profile,
   sim = simulate.Simulate(
       table, forward, backward, remat,
       input_memory=inputs, activation_memory=activations,
-      lockstep=engine == 'loop', gradient_memory=gradients)
+      gradient_memory=gradients)
   # A running backward's workspace: the largest of one of its cells'.
   workspace = [
       max(c.workspace_bytes * micro for c in cells[end - count:end])
