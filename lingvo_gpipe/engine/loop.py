@@ -989,8 +989,9 @@ class _DeviceStep(_Step):
                                      self.layout.training)
     return edge.source is None
 
-  def _Forward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
-               v: Dict[str, Any], new: Dict[str, Any]) -> List[tf.Operation]:
+  def _ForwardOverChannels(self, c: int, keeps: bool,
+                           row: Dict[Any, tf.Tensor], v: Dict[str, Any],
+                           new: Dict[str, Any]) -> List[tf.Operation]:
     """Chunk c's forward; updates `new`, returns its Send ops."""
     chunk = self.chunks[c]
     m = row['micro_batch']
@@ -1018,8 +1019,9 @@ class _DeviceStep(_Step):
                                                part)]
     return sends
 
-  def _Backward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
-                v: Dict[str, Any], new: Dict[str, Any]) -> List[tf.Operation]:
+  def _BackwardOverChannels(self, c: int, keeps: bool,
+                            row: Dict[Any, tf.Tensor], v: Dict[str, Any],
+                            new: Dict[str, Any]) -> List[tf.Operation]:
     """Chunk c's backward; updates `new`, returns its Send ops."""
     chunk = self.chunks[c]
     m = row['micro_batch']
@@ -1066,7 +1068,6 @@ class _DeviceStep(_Step):
   def Run(self, ticks: Sequence[schedule.Tick], v: Dict[str, Any],
           name: str) -> Dict[str, Any]:
     """Runs the ticks as one while loop per device; returns the vars."""
-    v = {key: list(value) for key, value in v.items()}
     result = {key: list(value) for key, value in v.items()}
     finals, dones = [], []
     for k in range(self.num_devices):
@@ -1088,8 +1089,9 @@ class _DeviceStep(_Step):
           phase, c, keeps = choice
           new = {key: list(value) for key, value in current.items()}
           with tf.name_scope(f'chunk{c}'):  # engine/trace.py reads it.
-            sends = (self._Forward if phase == F else self._Backward)(
-                c, keeps, row, current, new)
+            act = (self._ForwardOverChannels if phase == F else
+                   self._BackwardOverChannels)
+            sends = act(c, keeps, row, current, new)
           with tf.control_dependencies(sends):
             done = tf.identity(t)
           return [new[field][i] for field, i in carried], done
@@ -1123,7 +1125,8 @@ class _DeviceStep(_Step):
                 tf.identity(x) for x in value]
     return result
 
-  def _Rows(self, k: int, actions: Sequence[schedule.Action]):
+  def _Rows(self, k: int, actions: Sequence[schedule.Action]
+           ) -> Tuple[List[Any], List[Any], List[List[int]]]:
     """Device k's branches, the fields of its rows, and a row per action."""
     layout = self.layout
     choices = []
