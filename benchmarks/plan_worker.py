@@ -21,7 +21,9 @@ Memory per device: logical CPU devices share one allocator, so
 `get_memory_info` reads their sum. `Measure` runs one more step under
 FULL_TRACE and replays the allocation records that step stats keep per node:
 an allocation counts on the device whose kernel made it
-(`DevicePeaks`), from its allocation to its release. Variables are not
+(`DevicePeaks`), from its allocation to its release, and a device that reads
+a tensor another device made holds a copy of it, as a device with its own
+memory would. Variables are not
 allocated during a step; their bytes (weights and optimizer slots) are
 attributed to the device of the pipeline chunk whose cell owns them
 (`VariableBytesPerDevice`), as a device with its own memory would hold them.
@@ -158,19 +160,84 @@ def _Child(task: Any, path: str) -> Any:
   return layer
 
 
+def _ReceivedRecords(step_stats: Any) -> Dict[str, List[Tuple[int, int]]]:
+  """Allocation records for the buffers a device reads from another device.
+
+  Logical CPU devices share memory: a tensor passed from one to another is
+  not copied, and its allocation is recorded only on the device that made
+  it. A device with its own memory would hold a copy from its first use
+  until its last. This finds, per device, the buffers (by address) that its
+  nodes output or read while another device's kernel allocated them, and
+  returns a record of each copy: +bytes at its first use, -bytes at the end
+  of its last. A buffer is another device's from the node that allocated it
+  (an output of the size of one of the node's allocations) until the next
+  such node: the allocator reuses addresses.
+
+  Args:
+    step_stats: `RunMetadata.step_stats` of a FULL_TRACE step.
+
+  Returns:
+    {device name: [(micros, bytes), ...]}.
+  """
+  nodes = sorted(((node.all_start_micros, d.device, node)
+                  for d in step_stats.dev_stats for node in d.node_stats),
+                 key=lambda n: n[0])
+  owner: Dict[int, Tuple[str, int, int]] = {}  # ptr: (device, bytes, id)
+  made: Dict[Tuple[str, str], List[Optional[Tuple[int, int]]]] = {}
+  uses: Dict[Tuple[str, int], List[int]] = {}  # (device, id): [start, end]
+  sizes: Dict[int, int] = {}
+  for start, device, node in nodes:
+    end = start + node.all_end_rel_micros
+    allocated = {r.alloc_bytes for m in node.memory
+                 for r in m.allocation_records if r.alloc_bytes > 0}
+    used = []
+    # Inputs by name ('name', 'name:k'; '^name' is a control input).
+    label = node.timeline_label
+    if '(' in label:
+      for name in label[label.index('(') + 1:label.rindex(')')].split(', '):
+        name, _, slot = name.partition(':')
+        outputs = made.get((device, name))
+        if outputs and int(slot or 0) < len(outputs):
+          used.append(outputs[int(slot or 0)])
+    keys = []
+    for output in node.output:
+      a = output.tensor_description.allocation_description
+      if not a.ptr:
+        keys.append(None)
+        continue
+      if a.allocated_bytes in allocated or a.ptr not in owner:
+        owner[a.ptr] = (device, a.allocated_bytes, len(sizes))
+        sizes[len(sizes)] = a.allocated_bytes
+      source, _, key = owner[a.ptr]
+      keys.append((key, 0) if source == device else (key, 1))
+      used.append(keys[-1])
+    made[device, node.node_name] = keys
+    for use in used:
+      if use is not None and use[1]:
+        span = uses.setdefault((device, use[0]), [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+  records: Dict[str, List[Tuple[int, int]]] = {}
+  for (device, key), (first, last) in uses.items():
+    records.setdefault(device, []).extend(
+        [(first, sizes[key]), (last, -sizes[key])])
+  return records
+
+
 def DevicePeaks(step_stats: Any) -> Dict[str, Dict[str, float]]:
-  """Per device, the most bytes its kernels had allocated at once in a step.
+  """Per device, the most bytes it held at once in a step.
 
   Replays the allocation records of every node (allocations positive,
-  releases negative) of each device in time order. Only what the step
-  allocates counts: variables and what earlier steps left are outside.
+  releases negative) of each device in time order, with a copy of each
+  buffer the device reads from another (`_ReceivedRecords`), as a device
+  with its own memory would hold it. Only what the step allocates counts:
+  variables and what earlier steps left are outside.
 
   Args:
     step_stats: `RunMetadata.step_stats` of a FULL_TRACE step.
 
   Returns:
     {device name: {'peak': bytes, 'allocated': total bytes allocated,
-    'end': bytes still held at the end}}.
+    'end': bytes still held at the end, 'received': bytes of the copies}}.
   """
   records: Dict[str, List[Tuple[int, int]]] = {}
   for dev_stats in step_stats.dev_stats:
@@ -180,18 +247,21 @@ def DevicePeaks(step_stats: Any) -> Dict[str, Dict[str, float]]:
         for record in memory.allocation_records:
           records.setdefault(device, []).append(
               (record.alloc_micros, record.alloc_bytes))
+  received = _ReceivedRecords(step_stats)
   result = {}
-  for device, device_records in records.items():
+  for device in set(records) | set(received):
+    copies = received.get(device, [])
     # At equal times releases first: a buffer freed and another allocated in
     # the same microsecond do not overlap.
-    device_records.sort()
+    device_records = sorted(records.get(device, []) + copies)
     held = peak = allocated = 0
     for _, size in device_records:
       held += size
       peak = max(peak, held)
       allocated += max(size, 0)
     result[device] = {'peak': float(peak), 'allocated': float(allocated),
-                      'end': float(held)}
+                      'end': float(held),
+                      'received': float(sum(max(b, 0) for _, b in copies))}
   return result
 
 

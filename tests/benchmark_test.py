@@ -254,3 +254,43 @@ def testLargestUnderBudget(peak_fn, budget, max_layers, known, expected,
   answer, probes = _Search(peak_fn, budget, max_layers, known)
   assert answer == expected, probes
   assert len(probes) <= max_probes, probes
+
+
+def _Node(step_stats, device, name, inputs, start, end, ptr, size,
+          allocations=()):
+  """Adds a traced node with one output (buffer `ptr` of `size` bytes)."""
+  dev = next((d for d in step_stats.dev_stats if d.device == device), None)
+  if dev is None:
+    dev = step_stats.dev_stats.add(device=device)
+  node = dev.node_stats.add(
+      node_name=name, all_start_micros=start, all_end_rel_micros=end - start,
+      timeline_label=f'{name} = Op({", ".join(inputs)})')
+  description = node.output.add().tensor_description.allocation_description
+  description.ptr, description.allocated_bytes = ptr, size
+  if allocations:
+    memory = node.memory.add(allocator_name='cpu')
+    for micros, size_or_release in allocations:
+      memory.allocation_records.add(alloc_micros=micros,
+                                    alloc_bytes=size_or_release)
+
+
+def testDevicePeaksHoldACopyOfWhatADeviceReadsFromAnother():
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.framework import step_stats_pb2
+  from benchmarks import plan_worker
+  # pylint: enable=g-import-not-at-top
+  stats = step_stats_pb2.StepStats()
+  cpu0, cpu1 = '/device:CPU:0', '/device:CPU:1'
+  # CPU:0 makes buffer 0x10 (100 bytes), frees it at t=90; CPU:1 reads it
+  # through a view from t=10 to t=50, and allocates 30 bytes of its own.
+  _Node(stats, cpu0, 'x', [], 0, 5, 0x10, 100, [(0, 100), (90, -100)])
+  _Node(stats, cpu1, 'view', ['x'], 10, 12, 0x10, 100)
+  _Node(stats, cpu1, 'use', ['view'], 40, 50, 0x20, 30, [(40, 30), (60, -30)])
+  # Later the allocator gives address 0x10 to CPU:1's own 40 bytes: no copy.
+  _Node(stats, cpu1, 'own', [], 100, 101, 0x10, 40, [(100, 40), (110, -40)])
+  _Node(stats, cpu1, 'reuse', ['own'], 105, 108, 0x30, 8, [(105, 8), (108, -8)])
+  peaks = plan_worker.DevicePeaks(stats)
+  assert peaks[cpu0] == {'peak': 100.0, 'allocated': 100.0, 'end': 0.0,
+                         'received': 0.0}
+  assert peaks[cpu1] == {'peak': 130.0, 'allocated': 178.0, 'end': 0.0,
+                         'received': 100.0}
