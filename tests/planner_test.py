@@ -103,22 +103,23 @@ def testPredictTimeAndMemoryByHand():
   # 48; B0.1 adds the gradient sum (40): 88. B0.0 holds one input and one
   # call's activations (24), the sum and its own fresh gradients (80): 104,
   # the peak. Around it: weights 100, slots 80 and the work around the
-  # pipeline on 4 examples (7 x 4).
-  assert c.device_peak_bytes[0] == 100 + 80 + 80 + 4 + 20 + 28
+  # pipeline on 4 examples (7 x 4); a backward receives the gradient of its
+  # output (3 x 2).
+  assert c.device_peak_bytes[0] == 100 + 80 + 80 + 4 + 20 + 6 + 28
   # Device 1 (cell b): its inputs are a's outputs (3 x 2); at B1.0: one
   # input (6), one call's activations (40) and 2 x 60 of gradients; the
-  # merged output of 4 examples (5 x 4).
-  assert c.device_peak_bytes[1] == 200 + 120 + 120 + 6 + 40 + 20
+  # gradient of its output (5 x 2); the merged output of 4 examples (5 x 4).
+  assert c.device_peak_bytes[1] == 200 + 120 + 120 + 6 + 40 + 10 + 20
   assert c.peak_device == 1
   assert c.peak_terms == {'weights': 200, 'optimizer_slots': 120,
                           'gradients': 120, 'stage_inputs': 6,
                           'activations': 40, 'backward_workspace': 0,
-                          'outside_pipeline': 0, 'merged_output': 20,
-                          'update_copies': 0}
-  assert c.predicted_peak_bytes == 506 and c.fits
+                          'output_gradient': 10, 'outside_pipeline': 0,
+                          'merged_output': 20, 'update_copies': 0}
+  assert c.predicted_peak_bytes == 516 and c.fits
   assert c.engine == 'unrolled' and c.replicas == 1
   assert not planner.Predict(profile, 2, 2, 'never', [1, 1],
-                             memory_per_device=505).fits
+                             memory_per_device=515).fits
 
 
 def testTheLearnersGradientCopies():

@@ -43,8 +43,8 @@ from lingvo_gpipe.planning import simulate
 
 # The terms of a device's predicted peak, in the order they are reported.
 MEMORY_TERMS = ('weights', 'optimizer_slots', 'gradients', 'stage_inputs',
-                'activations', 'backward_workspace', 'outside_pipeline',
-                'merged_output', 'update_copies')
+                'activations', 'backward_workspace', 'output_gradient',
+                'outside_pipeline', 'merged_output', 'update_copies')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,9 +360,10 @@ def Predict(profile: Profile,
   and (from their first backward) weight gradients; the table's stage inputs
   and activations (`simulate.Simulate` with byte sizes: the input of chunk c
   is the output of chunk c - 1, or the pipeline's input for c = 0); the
-  workspace of a running backward (the largest of its chunks' cells'); on the
-  first device, `profile.outside_bytes` (input and loss temporaries); on the
-  device of the last chunk, the merged output of the replica's batch. After
+  workspace of a running backward (the largest of its chunks' cells') and the
+  gradient of its outputs that it receives (the largest of its chunks'); on
+  the first device, `profile.outside_bytes` (input and loss temporaries); on
+  the device of the last chunk, the merged output of the replica's batch. After
   the pipeline the learner scales every weight gradient into a new tensor
   (Lingvo's gradient norm clipping needs all of them first): the device then
   holds its weights, slots, gradients and the largest of its cells'
@@ -422,6 +423,8 @@ def Predict(profile: Profile,
       max(c.workspace_bytes * micro for c in cells[end - count:end])
       for end, count in zip(ends, counts)
   ]
+  # ... and the gradient of its outputs, which it receives.
+  output_gradients = [cells[end - 1].output_bytes * micro for end in ends]
   merged_output = cells[-1].output_bytes * replica_batch
   last_device = table.Device(table.num_chunks - 1)
   device_peaks, device_terms = [], []
@@ -434,6 +437,7 @@ def Predict(profile: Profile,
         'stage_inputs': 0.0,
         'activations': 0.0,
         'backward_workspace': max(workspace[c] for c in own),
+        'output_gradient': max(output_gradients[c] for c in own),
         'outside_pipeline': (profile.outside_bytes(replica_batch)
                              if k == 0 else 0.0),
         'merged_output': merged_output if k == last_device else 0.0,
