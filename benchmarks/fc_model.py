@@ -1,10 +1,13 @@
-r"""A registered FC stack for the planner: `benchmarks.fc_model.FcStack`.
+r"""Registered FC stacks for the planner, e.g. `benchmarks.fc_model.FcStack`.
 
 A GPipeSequentialLayer of Lingvo FCLayers (ReLU) regressing random inputs
-onto a fixed random linear map of them, mean squared error, SGD. The inputs
-come from a stateless generator seeded by the global step, so no data files
-are needed. The cells are uneven on purpose (wide, then narrow), so that the
-partition matters:
+onto a fixed random linear map of them, mean squared error, Lingvo's default
+optimizer (Adam). The inputs come from a stateless generator seeded by the
+global step, so no data files are needed. `FcStack`'s cells are uneven on
+purpose (wide, then narrow), so that the partition matters, and one wide
+cell's weights dominate its memory; `FcStackDeep` is many narrow cells on a
+large batch, whose memory is mostly activations, the case re-materialization
+and micro-batches are for:
 
     python tools/plan.py auto --model=benchmarks.fc_model.FcStack \
         --num_devices=2 --memory_per_device=64MiB
@@ -111,6 +114,14 @@ class FcStack(base_model_params.SingleTaskModelParams):
     p.train.learning_rate = self.LEARNING_RATE
     p.train.max_steps = 100
     return p
+
+
+@model_registry.RegisterSingleTaskModel
+class FcStackDeep(FcStack):
+  """16 FC cells of 256, batch 2048: activations outweigh the weights."""
+
+  DIMS = (256,) * 17
+  BATCH_SIZE = 2048
 
 
 @model_registry.RegisterSingleTaskModel
