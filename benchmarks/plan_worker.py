@@ -182,10 +182,11 @@ def _ReceivedRecords(step_stats: Any) -> Dict[str, List[Tuple[int, int]]]:
   nodes = sorted(((node.all_start_micros, d.device, node)
                   for d in step_stats.dev_stats for node in d.node_stats),
                  key=lambda n: n[0])
-  owner: Dict[int, Tuple[str, int, int]] = {}  # ptr: (device, bytes, id)
-  made: Dict[Tuple[str, str], List[Optional[Tuple[int, int]]]] = {}
-  uses: Dict[Tuple[str, int], List[int]] = {}  # (device, id): [start, end]
-  sizes: Dict[int, int] = {}
+  owner: Dict[int, Tuple[str, int]] = {}  # Address: (device, buffer).
+  sizes: List[int] = []  # Per buffer, its bytes.
+  # Per (device, node): per output, (buffer, whether another device's).
+  made: Dict[Tuple[str, str], List[Optional[Tuple[int, bool]]]] = {}
+  uses: Dict[Tuple[str, int], List[int]] = {}  # (device, buffer): [start, end]
   for start, device, node in nodes:
     end = start + node.all_end_rel_micros
     allocated = {r.alloc_bytes for m in node.memory
@@ -206,10 +207,10 @@ def _ReceivedRecords(step_stats: Any) -> Dict[str, List[Tuple[int, int]]]:
         keys.append(None)
         continue
       if a.allocated_bytes in allocated or a.ptr not in owner:
-        owner[a.ptr] = (device, a.allocated_bytes, len(sizes))
-        sizes[len(sizes)] = a.allocated_bytes
-      source, _, key = owner[a.ptr]
-      keys.append((key, 0) if source == device else (key, 1))
+        owner[a.ptr] = (device, len(sizes))
+        sizes.append(a.allocated_bytes)
+      source, buffer = owner[a.ptr]
+      keys.append((buffer, source != device))
       used.append(keys[-1])
     made[device, node.node_name] = keys
     for use in used:
@@ -217,9 +218,9 @@ def _ReceivedRecords(step_stats: Any) -> Dict[str, List[Tuple[int, int]]]:
         span = uses.setdefault((device, use[0]), [start, end])
         span[0], span[1] = min(span[0], start), max(span[1], end)
   records: Dict[str, List[Tuple[int, int]]] = {}
-  for (device, key), (first, last) in uses.items():
+  for (device, buffer), (first, last) in uses.items():
     records.setdefault(device, []).extend(
-        [(first, sizes[key]), (last, -sizes[key])])
+        [(first, sizes[buffer]), (last, -sizes[buffer])])
   return records
 
 
