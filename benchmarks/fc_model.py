@@ -10,7 +10,7 @@ large batch, whose memory is mostly activations, the case re-materialization
 and micro-batches are for:
 
     python tools/plan.py auto --model=benchmarks.fc_model.FcStack \
-        --num_devices=2 --memory_per_device=64MiB
+        --num_devices=2 --memory_per_device=128MiB
 
 Registered under the key of this module (Lingvo's registry imports
 `benchmarks.fc_model` from the repository root, which the tools put on

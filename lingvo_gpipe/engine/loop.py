@@ -744,6 +744,30 @@ class _Step:
             (d if self.loss_inside else tf.gather(d, m))
             for d in self.d_outputs[e]]
 
+  def _OutputGradients(self, c: int, m: tf.Tensor,
+                       receive: Callable[[int], List[tf.Tensor]]
+                      ) -> List[Optional[tf.Tensor]]:
+    """Chunk c's flat output gradients for micro-batch m.
+
+    Args:
+      c: The chunk.
+      m: The micro-batch (int32 scalar).
+      receive: receive(e) returns the gradients an out-edge e to another
+        chunk carries back, one per differentiable tensor.
+
+    Returns:
+      Edge after edge, the loss's gradients for edges into the output, the
+      received ones for the others, None where none can be.
+    """
+    d_y = []
+    for e in self.chunks[c].out_edges:
+      if self.edges[e].target is None:
+        d_y += self._LossGradients(e, m)
+      else:
+        given = iter(receive(e))
+        d_y += [next(given) if d else None for d in self._diff[e]]
+    return d_y
+
   def _Forward(self, c: int, keeps: bool, row: Dict[Any, tf.Tensor],
                v: Dict[str, Any], values: _Values, i: int) -> None:
     """Chunk c's forward on micro-batch row['micro_batch']; updates values."""
@@ -761,13 +785,8 @@ class _Step:
     """Chunk c's backward on micro-batch row['micro_batch']; updates values."""
     chunk = self.chunks[c]
     m = row['micro_batch']
-    d_y = []
-    for e in chunk.out_edges:
-      if self.edges[e].target is None:
-        d_y += self._LossGradients(e, m)
-      else:
-        given = iter([a.read(row['grad_read', e]) for a in v['grad'][e]])
-        d_y += [next(given) if d else None for d in self._diff[e]]
+    d_y = self._OutputGradients(
+        c, m, lambda e: [a.read(row['grad_read', e]) for a in v['grad'][e]])
     d_x, d_state, d_theta = self._CallBackward(
         c, keeps, self._Inputs(c, m, row, v), d_y, m, row, v)
     wanted = [d for e in chunk.in_edges for d in self._diff[e]]
@@ -1025,21 +1044,16 @@ class _DeviceStep(_Step):
     """Chunk c's backward; updates `new`, returns its Send ops."""
     chunk = self.chunks[c]
     m = row['micro_batch']
-    d_y = []
-    for e in chunk.out_edges:
-      if self.edges[e].target is None:
-        d_y += self._LossGradients(e, m)
-      else:
-        received = iter([ch.Recv() for ch in self._channels[e, 'grad']])
-        d_y += [next(received) if d else None for d in self._diff[e]]
+    d_y = self._OutputGradients(
+        c, m, lambda e: [ch.Recv() for ch in self._channels[e, 'grad']])
     d_x, d_state, new['d_theta'][c] = self._CallBackward(
         c, keeps, self._Inputs(c, m, row, v), d_y, m, row, v)
     if d_state is not None:
       new['d_state'][c] = d_state
-    sends, start = [], 0
+    sends = []
     for e in chunk.in_edges:
-      grads = [g for g, d in zip(d_x[start:], self._diff[e]) if d]
-      start += len(self._diff[e])
+      part = self._Slice(d_x, chunk.in_edges, e, lambda f: self._diff[f])
+      grads = [g for g, d in zip(part, self._diff[e]) if d]
       if self.edges[e].source is None:
         new['grad'][e] = [a.write(m, g) for a, g in zip(v['grad'][e], grads)]
       else:
