@@ -68,9 +68,12 @@ def ObservableLoops(engine):
 def LoopCallDevices(graph):
   """{(phase, chunk): devices} of the loop engine's chunk calls in `graph`.
 
-  Each tick's call of chunk c is a node 'chunk<c>/StatefulPartitionedCall'
-  in a loop body ('..._<phase>_<i>_body_...') or in a branch of a device's
-  cond or switch ('...device<k>_<phase>_...').
+  Each tick's call of chunk c is built in name scope 'chunk<c>' of a loop
+  body ('..._<phase>_<i>_body_...') or of a branch of a device's cond or
+  switch ('...device<k>_<phase>_...'): a node 'chunk<c>/StatefulPartitionedCall'
+  where the call is a function (a backward, or a forward that keeps its
+  activations), the body's own ops where it is inlined (a forward that
+  recomputes); the call's Recv, Send and buffer ops are in that scope too.
 
   Args:
     graph: A graph with the loop engine's loops (TF1 or tf.function's).
@@ -85,9 +88,8 @@ def LoopCallDevices(graph):
     if not phase:
       continue
     for node in function.node_def:
-      chunk = re.search(r'(?:^|/)chunk(\d+)/StatefulPartitionedCall$',
-                        node.name)
-      if node.op == 'StatefulPartitionedCall' and chunk:
+      chunk = re.search(r'(?:^|/)chunk(\d+)/', node.name)
+      if chunk:
         devices[phase.group(1), int(chunk.group(1))].add(node.device)
   return dict(devices)
 

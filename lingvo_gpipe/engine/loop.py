@@ -686,7 +686,7 @@ class _Step:
       results, kept = chunk.split.Forward(args)
       stash = [a.write(row['stash'], t) for a, t in zip(v['stash'][c], kept)]
     else:
-      results = chunk.stage.forward(chunk.theta, x, state, args[-1])
+      results = chunk.stage.InlineForward(chunk.theta, x, state, args[-1])
     num_y = len(results) - len(state)
     saved_state = [a.write(row['state'], t)
                    for a, t in zip(v['saved_state'][c], state)]
@@ -1097,7 +1097,8 @@ class _DeviceStep(_Step):
         current = {key: list(value) for key, value in v.items()}
         for (field, i), value in zip(carried, values):
           current[field][i] = value
-        row = dict(zip(hosted, tf.unstack(tf.constant(rows, tf.int32)[t])))
+        row = dict(zip(hosted, tf.unstack(
+            tf.gather(tf.constant(rows, tf.int32), t))))
 
         def Action(choice):
           phase, c, keeps = choice
@@ -1107,13 +1108,11 @@ class _DeviceStep(_Step):
                    self._BackwardOverChannels)
             sends = act(c, keeps, row, current, new)
           with tf.control_dependencies(sends):
-            done = tf.identity(t)
-          return [new[field][i] for field, i in carried], done
+            return [new[field][i] for field, i in carried], t + 1
 
-        new_values, done = _Dispatch(choices, False, row['branch'], Action,
-                                     None, f'device{k}_{"_".join(phases)}')
-        with tf.control_dependencies([done]):
-          return t + 1, new_values
+        new_values, next_t = _Dispatch(choices, False, row['branch'], Action,
+                                       None, f'device{k}_{"_".join(phases)}')
+        return next_t, new_values
 
       with tf.device(self.chunks[k].device), tf.name_scope(f'device{k}'):
         initial = [v[field][i] for field, i in carried]
@@ -1123,7 +1122,7 @@ class _DeviceStep(_Step):
             shape_invariants=(tf.TensorShape([]), tf.nest.map_structure(
                 lambda x: tf.TensorShape(None) if isinstance(
                     x, tf.TensorArray) else x.shape, initial)),
-            maximum_iterations=len(actions), name=f'{name}_device{k}')
+            name=f'{name}_device{k}')
         _KeepUnlowered(results[0], ('While', 'StatelessWhile'))
       finals.append((k, carried, results[1]))
       dones.append(results[0])
