@@ -39,6 +39,9 @@ except ImportError:
 from lingvo_gpipe.engine import recompute
 
 _NO_SPECIALIZE = '_nospecialize'
+# The name scope of a forward body built inline (`Stage.InlineForward`),
+# which engine/trace.py reads.
+INLINE_FORWARD_SCOPE = 'inline_forward'
 
 MaybeTensor = Optional[tf.Tensor]
 StageFn = Callable[[Any, Tuple[MaybeTensor, ...], Any, tf.Tensor],
@@ -372,7 +375,8 @@ class Stage:
     as the body of a loop over ticks, where a call of `forward` runs as a
     function of its own at every tick (in the loop engine's per-device
     loops, 16 FC 8, K = 8, M = 64: about 2 of a 12 ms step). The caller
-    places the ops (`tf.device`).
+    places the ops (`tf.device`); they are named
+    '<caller's scope>/INLINE_FORWARD_SCOPE/<op as named in `forward`>'.
 
     Args:
       theta_flat: Flat weights.
@@ -384,8 +388,9 @@ class Stage:
       The output leaves that are not None, then the flat new state, as
       `forward` returns them.
     """
-    y, state = self._Body(theta_flat, x_tensors, state_flat, micro_batch_id,
-                          pinned=False)
+    with tf.name_scope(INLINE_FORWARD_SCOPE):
+      y, state = self._Body(theta_flat, x_tensors, state_flat,
+                            micro_batch_id, pinned=False)
     return y + state
 
   def _Backward(self, theta_flat, x_tensors, state_flat, micro_batch_id,

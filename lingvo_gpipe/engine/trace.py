@@ -9,10 +9,13 @@ either engine and any schedule table:
   call itself, its backward is the gradient function of that call
   ('gradients/.../chunk<c>_mb<m>/<op>_grad/StatefulPartitionedCall');
 * loop: each tick's call of chunk c is a function call named
-  '.../<forward|backward>_<i>/.../chunk<c>/StatefulPartitionedCall'
+  '.../<forward|backward>_<i>/.../chunk<c>/StatefulPartitionedCall', or,
+  for a forward that recomputes, its body's kernels built inline
+  ('.../chunk<c>/inline_forward/<body node>', `stage.INLINE_FORWARD_SCOPE`)
   (`loop.py`), visible in step stats when the loops are lowered
   (`loop.LOWER_CONTROL_FLOW`); the n-th call of chunk c in a phase is the
-  n-th action of chunk c in that phase of the table.
+  n-th action of chunk c in that phase of the table, and the n-th run of
+  an inline body node belongs to it.
 
 A call's window runs from its first kernel's start to its last kernel's end.
 For calls that recompute, the recompute is the part of the backward call up
@@ -27,6 +30,7 @@ import collections
 import re
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
+from lingvo_gpipe.engine import stage
 from lingvo_gpipe.planning import schedule
 from lingvo_gpipe.planning import simulate
 
@@ -50,9 +54,12 @@ _UNROLLED_FORWARD_RE = re.compile(r'(?:.*/)?chunk(\d+)_mb(\d+)(?:_\d+)?/' +
 _UNROLLED_BACKWARD_RE = re.compile(
     r'gradients(?:_\d+)?/(?:.*/)?chunk(\d+)_mb(\d+)(?:_\d+)?/[^/]+_grad/' +
     _CALL)
-# Loop: a chunk's call in a tick of the forward or backward loops.
-_LOOP_CALL_RE = re.compile(r'(?:.*/)?(forward|backward)_\d+/(?:.*/)?chunk(\d+)/'
-                           r'(?:Stateful)?PartitionedCall$')
+# Loop: a chunk's call in a tick of the forward or backward loops, or a
+# kernel of a forward body built inline there.
+_LOOP_CALL_RE = re.compile(
+    r'(?:.*/)?(forward|backward)_\d+/(?:.*/)?chunk(\d+)/'
+    r'(?:(?:Stateful)?PartitionedCall|' + stage.INLINE_FORWARD_SCOPE +
+    r'/(.+))$')
 # Op types that do no work of a call (transfers, graph plumbing).
 # Asserts are Lingvo's shape checks: on static shapes they read constants
 # and run at once, whenever their call comes.
@@ -129,20 +136,25 @@ def _UnrolledCalls(kernels: Sequence[Kernel]) -> _Calls:
 def _LoopCalls(kernels: Sequence[Kernel], table: schedule.Table) -> _Calls:
   """Loop calls: the n-th call of a chunk in a phase is its n-th action."""
   calls = _Calls()
-  found = collections.defaultdict(list)
+  # Per (phase, chunk): per node (None: the call), its runs.
+  found = collections.defaultdict(lambda: collections.defaultdict(list))
   for kernel in kernels:
     match = _LOOP_CALL_RE.match(kernel.name)
     if match:
-      found[match.group(1), int(match.group(2))].append(kernel)
+      found[match.group(1), int(match.group(2))][match.group(3)].append(
+          kernel)
   orders = collections.defaultdict(list)
   for tick in table.ticks:
     for action in tick:
       if action is not None:
         orders[action.phase, action.chunk].append(action.micro_batch)
-  for (phase, c), call_kernels in found.items():
-    call_kernels.sort(key=lambda k: k.start)
-    for kernel, m in zip(call_kernels, orders[phase, c]):
-      calls.kernels[phase, c, m].append(kernel)
+  for (phase, c), nodes in found.items():
+    for inner, runs in nodes.items():
+      runs.sort(key=lambda k: k.start)
+      for kernel, m in zip(runs, orders[phase, c]):
+        calls.kernels[phase, c, m].append(kernel)
+        if inner is not None:
+          calls.inner[phase, c, m].append((inner, kernel))
   return calls
 
 
