@@ -136,6 +136,28 @@ def Comparisons(small: bool = False) -> List[Comparison]:
   return comparisons
 
 
+def Select(comparisons: Sequence[Comparison],
+           text: str) -> List[Comparison]:
+  """The comparisons whose name contains `text`.
+
+  Args:
+    comparisons: From `Comparisons`.
+    text: Part of a comparison's name, e.g. 'K=4 M=64'.
+
+  Returns:
+    The matching comparisons, in order.
+
+  Raises:
+    ValueError: if none matches; the message lists the names.
+  """
+  selected = [c for c in comparisons if text in c.name]
+  if not selected:
+    raise ValueError(
+        f'--schedules_match={text!r} is in no comparison\'s name; the names '
+        f'are {[c.name for c in comparisons]}')
+  return selected
+
+
 def Configs(comparisons: Sequence[Comparison]) -> List[Config]:
   """Every configuration to measure, once each, in order of appearance."""
   configs = []

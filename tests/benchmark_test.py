@@ -1,9 +1,10 @@
 """Tests of tools/benchmark.py and the benchmarks package.
 
 tools/benchmark.py runs as a subprocess like a user would: one tiny
-end-to-end `memory`, `speed` and `scale` run each (each configuration and
-budget probe is a worker process importing TensorFlow, several seconds each)
-plus error cases that fail before any measurement. Times are not compared
+end-to-end `memory`, `speed` and `scale` run each and a `schedules` run of
+two of its comparisons (each configuration and budget probe is a worker
+process importing TensorFlow, several seconds each) plus error cases that
+fail before any measurement. Times are not compared
 with bounds; the tables' ratios and rates are checked against the measured
 numbers, re-materialization against no re-materialization in memory, and
 HLO line counts, which are deterministic, against each other. The
@@ -58,6 +59,11 @@ RUNS = {
     'bad_speed_micro_batches': ['speed', '--batch=64',
                                 '--speed_micro_batches=1,3'],
     'bad_speed_stages': ['speed', '--num_layers=2', '--speed_stages=1,4'],
+    # The two circular comparisons at tiny sizes: 4 configurations, 1 round.
+    'schedules': ['schedules', '--schedules_small', '--schedules_match=circular',
+                  '--repeats=1', '--parallel=2',
+                  '--json_out={tmp}/schedules.json'],
+    'bad_schedules_match': ['schedules', '--schedules_match=K=3 M=5'],
 }
 
 # Eight configurations (plain, GPipe remat='never' at K=1, M=1, and GPipe,
@@ -191,6 +197,21 @@ def testScaleEndToEnd(runs):
 
 
 @pytest.mark.slow
+def testSchedulesMeasuresTheMatchingComparisons(runs):
+  code, stdout, stderr = runs['schedules']
+  assert code == 0, stderr[-2000:]
+  with open(os.path.join(runs['tmp'], 'schedules.json')) as f:
+    numbers = json.load(f)
+  assert [r['name'] for r in numbers['rows']] == [
+      f'circular v=2 / GPipe step, K=2 M=2 ({engine}, one core per device)'
+      for engine in ('unrolled', 'loop')]
+  assert len(numbers['measured']) == 4 and numbers['repeats'] == 1
+  for row in numbers['rows']:
+    assert row['value'] > 0 and row['reference'] > 0 and row['target'] == 0.92
+  assert "circular v=2 / GPipe step, K=2 M=2 (loop" in stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('name, message', [
     ('bad_subcommand', "subcommand 'speedy' is not valid; use one of "
      "['keras', 'memory', 'scale', 'schedules', 'speed']"),
@@ -206,6 +227,8 @@ def testScaleEndToEnd(runs):
      'speed: --speed_micro_batches: M=3 does not divide --batch=64'),
     ('bad_speed_stages', 'speed: --speed_stages: K=4 is more than '
      '--num_layers=2'),
+    ('bad_schedules_match', "--schedules_match='K=3 M=5' is in no "
+     "comparison's name; the names are ['loop / unrolled step, K=4 M=64"),
 ])
 def testErrors(runs, name, message):
   code, stdout, stderr = runs[name]

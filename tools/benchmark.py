@@ -54,7 +54,8 @@ repository's `benchmarks` package each:
           their plain schedules (one core per device), and 1F1B against
           GPipe in peak memory and step time (`benchmarks.schedules`). Its
           sizes are fixed (--schedules_small: tiny, for a quick check);
-          --repeats (default 3) and --parallel apply.
+          --schedules_match keeps the comparisons whose name contains its
+          text; --repeats (default 3) and --parallel apply.
 
 Every configuration runs in a fresh worker process (`python -m
 benchmarks.worker`), so allocator peaks never leak from one configuration into
@@ -169,6 +170,9 @@ flags.DEFINE_list(
 flags.DEFINE_bool(
     'schedules_small', False, 'schedules: tiny sizes, to check that every '
     'comparison builds and runs (the ratios mean nothing then).')
+flags.DEFINE_string(
+    'schedules_match', None, "schedules: measure only the comparisons whose "
+    "name contains this text, e.g. 'K=4 M=64'.")
 flags.DEFINE_string(
     'png_out', None, 'scale: optional path of a PNG plot of start-up cost '
     '(tf.function, XLA, graph mode) against M.')
@@ -481,6 +485,11 @@ def Schedules(args: Sequence[str]) -> Dict[str, Any]:
   start = time.time()
   runner = runner_lib.Runner(FLAGS.parallel, _Progress)
   comparisons = schedules.Comparisons(FLAGS.schedules_small)
+  if FLAGS.schedules_match is not None:
+    try:
+      comparisons = schedules.Select(comparisons, FLAGS.schedules_match)
+    except ValueError as e:
+      raise BenchmarkError(str(e)) from e
   configs = schedules.Configs(comparisons)
   _Progress(f'Measuring {len(configs)} configurations x {repeats} rounds, '
             'each in a subprocess...')
