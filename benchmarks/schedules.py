@@ -74,7 +74,7 @@ def Comparisons(small: bool = False) -> List[Comparison]:
       _Gpipe(**big, micro=64, remat='always', stages=4, engine='loop'),
       _Gpipe(**big, micro=64, remat='always', stages=4, engine='unrolled'),
       1.10))
-  # Tiny steps (about 30 ms) vary by 10-30% from step to step: 20 of them.
+  # Tiny steps (25-30 ms) vary by 10-30% from step to step: 20 of them.
   tiny = dict(num_layers=16, dim=16 if small else 128,
               batch=128 if small else 1024, steps=20)
   comparisons.append(Comparison(

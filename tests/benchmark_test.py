@@ -60,8 +60,8 @@ RUNS = {
                                 '--speed_micro_batches=1,3'],
     'bad_speed_stages': ['speed', '--num_layers=2', '--speed_stages=1,4'],
     # The two circular comparisons at tiny sizes: 4 configurations, 1 round.
-    'schedules': ['schedules', '--schedules_small', '--schedules_match=circular',
-                  '--repeats=1', '--parallel=2',
+    'schedules': ['schedules', '--schedules_small',
+                  '--schedules_match=circular', '--repeats=1', '--parallel=2',
                   '--json_out={tmp}/schedules.json'],
     'bad_schedules_match': ['schedules', '--schedules_match=K=3 M=5'],
 }

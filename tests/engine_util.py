@@ -70,10 +70,11 @@ def LoopCallDevices(graph):
 
   Each tick's call of chunk c is built in name scope 'chunk<c>' of a loop
   body ('..._<phase>_<i>_body_...') or of a branch of a device's cond or
-  switch ('...device<k>_<phase>_...'): a node 'chunk<c>/StatefulPartitionedCall'
-  where the call is a function (a backward, or a forward that keeps its
-  activations), the body's own ops where it is inlined (a forward that
-  recomputes); the call's Recv, Send and buffer ops are in that scope too.
+  switch ('...device<k>_<phase>_...'): a node
+  'chunk<c>/StatefulPartitionedCall' where the call is a function (a
+  backward, or a forward that keeps its activations), the body's own ops
+  where it is built inline (a forward that recomputes); the call's Recv,
+  Send and buffer ops are in that scope too.
 
   Args:
     graph: A graph with the loop engine's loops (TF1 or tf.function's).

@@ -28,12 +28,13 @@ the slot the table gives, or at a spare slot when the source did not run:
 one write per edge and tick, no branch. Each device reads its action and
 slots from a table on its own device.
 
-Re-materialization (`schedule.RecomputedCalls`): a call that recomputes
-keeps only its input and state and reruns its forward in its backward
-(`stage.Stage.backward`); a call that keeps its activations runs the
-forward half of TensorFlow's own split of the call (`stage.SplitCall`) and
-stashes the intermediates its backward half reads, in a buffer on its
-device, from the tick of its forward to the tick of its backward.
+Re-materialization (`schedule.RecomputedCalls`): a call that recomputes runs
+its forward built inline in the loop body (`stage.Stage.InlineForward`: no
+function call per tick), keeps only its input and state and reruns its forward
+in its backward (`stage.Stage.backward`, a call); a call that keeps its
+activations runs the forward half of TensorFlow's own split of the call
+(`stage.SplitCall`) and stashes the intermediates its backward half reads, in a
+buffer on its device, from the tick of its forward to the tick of its backward.
 
 Two ways to run the same ticks, picked per step (`_ChannelDevices`):
 
