@@ -344,13 +344,11 @@ def CellCosts(cells: Sequence[base_layer.BaseLayer],
 # The upstream gradient of every output element while a cell is profiled.
 UPSTREAM_GRADIENT = 1e-6
 
-# Ops whose output is (a view of) their first input's buffer: a tensor the
-# backward keeps through one of them costs no memory of its own.
-ALIASING_OPS = frozenset([
-    'Identity', 'IdentityN', 'Reshape', 'ExpandDims', 'Squeeze',
-    'StopGradient', 'Snapshot', 'PreventGradient', 'EnsureShape',
-    'CheckNumerics'
-])
+# The name scope of a profiled cell's backward pass (`HeldAtForwardEnd`).
+BACKWARD_SCOPE = 'profiled_backward'
+
+# Traced runs of each profiled cell, for its memory.
+TRACED_RUNS = 3
 
 
 class CellRun(NamedTuple):
@@ -362,10 +360,10 @@ class CellRun(NamedTuple):
     update_s: Seconds of the optimizer update of its variables, on fed
       gradients (0 without an optimizer).
     workspace_bytes: The most bytes the kernels of forward + backward held at
-      once (one FULL_TRACE run, `AllocationPeak`) beyond the kept tensors and
+      once (one FULL_TRACE run, `AllocationPeak`) beyond the kept bytes and
       the weight gradients: what a running backward needs besides them.
-    kept_bytes: Bytes of the tensors of the forward pass that the backward
-      reads (`KeptTensors`).
+    kept_bytes: Bytes the forward pass holds for the backward when it ends,
+      in the same run (`HeldAtForwardEnd`).
     output_bytes: Bytes of the cell's outputs.
     weight_bytes: Bytes of all the cell's variables.
     gradient_bytes: Bytes of its trainable variables.
@@ -388,48 +386,37 @@ def _Bytes(shape: Sequence[int], dtype: Any) -> float:
   return float(np.prod(shape, dtype=np.float64) * tf.as_dtype(dtype).size)
 
 
-def _Source(tensor: Any) -> Any:
-  """The tensor whose buffer `tensor` shares (through `ALIASING_OPS`)."""
-  while tensor.op.type in ALIASING_OPS and tensor.op.inputs:
-    tensor = tensor.op.inputs[0]
-  return tensor
+def HeldAtForwardEnd(step_stats: Any, backward_scope: str) -> float:
+  """Bytes a traced run's forward pass still holds when it ends.
 
-
-def KeptTensors(forward_ops: Sequence[Any], backward_ops: Sequence[Any],
-                inputs: Sequence[Any]) -> List[Any]:
-  """The tensors of a forward pass that its backward pass reads.
-
-  Those are what a call keeps from its forward to its backward when it does
-  not re-materialize. Counted once per buffer (views through `ALIASING_OPS`
-  lead to their source); left out are the inputs themselves (the pipeline
-  holds them as stage inputs) and tensors that do not depend on an input
-  (weights and constants: no activations).
+  The run's backward pass (its nodes named under `backward_scope`) must wait
+  for the whole forward pass; then what the forward's kernels allocated and
+  not yet released when its last kernel ends is what it keeps for the
+  backward: the bytes a call that does not re-materialize holds from its
+  forward to its backward. Fed inputs (`_arg` nodes) are not allocations of
+  the forward. This is measured, not read from the graph: Grappler's
+  rewrites change which tensors a backward reads (for Lingvo's transformer
+  layer the graph names 1.2 times the bytes a run holds).
 
   Args:
-    forward_ops: The ops the cell's FProp created.
-    backward_ops: The ops `tf.gradients` created.
-    inputs: The cell's input tensors (placeholders).
+    step_stats: `RunMetadata.step_stats` of a FULL_TRACE run.
+    backward_scope: The name scope of the backward pass.
 
   Returns:
-    The kept tensors, each once.
+    Bytes.
   """
-  forward = set(forward_ops)
-  input_set = set(inputs)
-  # Forward ops that depend on an input, in creation order (topological).
-  depends = set()
-  for op in forward_ops:
-    if any(t in input_set or t.op in depends for t in op.inputs):
-      depends.add(op)
-  kept = {}
-  for op in backward_ops:
-    for t in op.inputs:
-      if t.op not in forward:
+  forward_end = 0
+  records = []
+  for device in step_stats.dev_stats:
+    for node in device.node_stats:
+      if (node.node_name.startswith('_') or
+          node.node_name.startswith(backward_scope)):
         continue
-      source = _Source(t)
-      if source in input_set or source.op not in depends:
-        continue
-      kept[source.name] = source
-  return [kept[name] for name in sorted(kept)]
+      forward_end = max(forward_end,
+                        node.all_start_micros + node.all_end_rel_micros)
+      records.extend((r.alloc_micros, r.alloc_bytes) for m in node.memory
+                     for r in m.allocation_records)
+  return float(sum(size for when, size in records if when <= forward_end))
 
 
 def _InterleavedFastest(runs: Sequence[Callable[[], None]], num_warmup: int,
@@ -469,7 +456,8 @@ def ProfileCell(cell: base_layer.BaseLayer,
 
   The cell is rebuilt from its params; its backward pass computes the
   gradients of its weights and float inputs given fed upstream gradients
-  (`UPSTREAM_GRADIENT`; no loss of its outputs is kept); the update applies
+  (`UPSTREAM_GRADIENT`; no loss of its outputs is kept) and waits for the
+  whole forward pass (`HeldAtForwardEnd`); the update applies
   `optimizer_fn()` to fed weight gradients. Forward, forward + backward, the
   update and a session call that does nothing run in turns, `num_warmup`
   turns untimed, then `num_runs` timed; each time is the fastest run minus
@@ -490,9 +478,7 @@ def ProfileCell(cell: base_layer.BaseLayer,
   graph = tf.Graph()
   with graph.as_default():
     layer, placeholders, args, feed = _FedCell(cell, inputs)
-    before = len(graph.get_operations())
     outputs = layer.FProp(layer.theta, *args)
-    forward_ops = graph.get_operations()[before:]
     flat_outputs = tf.nest.flatten(outputs)
     fetched = [y for y in flat_outputs if y is not None]
     floats = [y for y in fetched if y.dtype.is_floating]
@@ -503,15 +489,14 @@ def ProfileCell(cell: base_layer.BaseLayer,
     trainable = [v for v in variables if v.trainable]
     float_inputs = [p for p in placeholders
                     if p is not None and p.dtype.is_floating]
-    before = len(graph.get_operations())
-    grads = (tf.gradients(floats, trainable + float_inputs, grad_ys=upstream)
-             if floats else [])
-    backward_ops = graph.get_operations()[before:]
-    kept = KeptTensors(forward_ops, backward_ops,
-                       [p for p in placeholders if p is not None])
+    with tf.name_scope(BACKWARD_SCOPE), tf.control_dependencies(floats):
+      gated = [tf.identity(u) for u in upstream]
+    grads = (tf.gradients(floats, trainable + float_inputs, grad_ys=gated,
+                          name=BACKWARD_SCOPE) if floats else [])
     weight_grads = [(g, v) for g, v in zip(grads, trainable) if g is not None]
     forward_step = _Targets(fetched)
-    backward_step = _Targets(fetched + [g for g in grads if g is not None])
+    grad_step = _Targets([g for g in grads if g is not None])
+    backward_step = _Targets(fetched) + grad_step
     update_step, slot_bytes = None, 0.0
     if optimizer_fn is not None and weight_grads:
       # The update on fed gradients: timed alone, not as a difference.
@@ -526,7 +511,6 @@ def ProfileCell(cell: base_layer.BaseLayer,
                for name in optimizer.get_slot_names()]
       slot_bytes = sum(_Bytes(s.shape.as_list(), s.dtype.base_dtype)
                        for s in slots if s is not None)
-    kept_shapes = [tf.shape(t) for t in kept]
     nothing = tf.no_op()
     with tf.compat.v1.Session(graph=graph) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
@@ -536,7 +520,6 @@ def ProfileCell(cell: base_layer.BaseLayer,
           for p, y in zip(upstream, [v for v, t in zip(values, fetched)
                                      if t.dtype.is_floating])
       })
-      shapes = sess.run(kept_shapes, feed_dict=feed)
       # The first is a run that does nothing with the same feeds: the cost
       # of a session call, which a real step pays once, not once per cell.
       steps = [nothing, forward_step, backward_step]
@@ -548,17 +531,23 @@ def ProfileCell(cell: base_layer.BaseLayer,
       work = [max(t - fastest[0], 0.0) for t in fastest[1:]]
       forward_s, both_s = work[:2]
       update_s = work[2] if update_step is not None else 0.0
-      run_metadata = tf.compat.v1.RunMetadata()
-      sess.run(backward_step, feed_dict=feed,
-               options=tf.compat.v1.RunOptions(
-                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-               run_metadata=run_metadata)
-      step_peak = AllocationPeak(run_metadata.step_stats)
+      # Traced without fetching the outputs: what the backward does not read
+      # is released as it would be in a pipeline. The order of kernels that
+      # may run in parallel changes the peak: the largest of a few runs.
+      step_peak = kept_bytes = 0.0
+      for _ in range(TRACED_RUNS):
+        run_metadata = tf.compat.v1.RunMetadata()
+        sess.run(grad_step, feed_dict=feed,
+                 options=tf.compat.v1.RunOptions(
+                     trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                 run_metadata=run_metadata)
+        step_peak = max(step_peak, AllocationPeak(run_metadata.step_stats))
+        kept_bytes = max(kept_bytes, HeldAtForwardEnd(run_metadata.step_stats,
+                                                      BACKWARD_SCOPE))
   values = iter(values)
   numpy_outputs = [None if y is None else next(values) for y in flat_outputs]
   output_bytes = sum(float(np.asarray(y).nbytes) for y in numpy_outputs
                      if y is not None)
-  kept_bytes = sum(_Bytes(s, t.dtype) for s, t in zip(shapes, kept))
   gradient_bytes = sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
                        for v in trainable)
   return CellRun(
