@@ -73,7 +73,7 @@ RUNS = {
     'auto_lm': [
         'auto', '--model=lm.GPipeCharLmTiny', '--num_devices=2',
         '--memory_per_device=64MiB', '--verify=1', '--verify_steps=2',
-        '--top=5', '--json_out={tmp}/auto_lm.json'
+        '--verify_workers=2', '--top=5', '--json_out={tmp}/auto_lm.json'
     ],
     'auto_fc': [
         'auto', '--model=benchmarks.fc_model.FcStackTiny', '--num_devices=2',
@@ -363,7 +363,14 @@ def testAutoVerifiesTheBest(runs):
       numbers['overrides'])
   assert 'Chosen: K=' in stdout and 'Select it with:' in stdout
   assert "--model_params_override='task.stack.num_stages: " in stdout
-  assert 'Verifying 1 configuration(s)' in stdout
+  assert ('Verifying 1 configuration(s), each 3 + 2 training steps in 2 '
+          'fresh worker(s)') in stdout
+  # What the measured data-parallel step held beyond its prediction is
+  # charged to every configuration with replicas, and only to those.
+  extra = numbers['profile']['replica_overhead_bytes']
+  assert extra >= 0
+  for c in candidates:
+    assert c['peak_terms']['replicas'] == (extra if c['replicas'] > 1 else 0)
   assert re.search(r'^#0 .* device 0: peak predicted', stdout,
                    re.MULTILINE | re.DOTALL)
 

@@ -115,7 +115,8 @@ def testPredictTimeAndMemoryByHand():
                           'gradients': 120, 'stage_inputs': 6,
                           'activations': 40, 'backward_workspace': 0,
                           'output_gradient': 10, 'outside_pipeline': 0,
-                          'merged_output': 20, 'update_copies': 0}
+                          'merged_output': 20, 'update_copies': 0,
+                          'replicas': 0}
   assert c.predicted_peak_bytes == 516 and c.fits
   assert c.engine == 'unrolled' and c.replicas == 1
   assert not planner.Predict(profile, 2, 2, 'never', [1, 1],
@@ -138,13 +139,19 @@ def testTheLearnersGradientCopies():
 
 
 def testReplicasPayTheirMeasuredOverhead():
-  profile = _Profile(TWO_CELLS, replica_overhead_s=0.3)
+  profile = _Profile(TWO_CELLS, replica_overhead_s=0.3,
+                     replica_overhead_bytes=1000.0)
   one = planner.Predict(profile, 2, 1, 'always', [1, 1])
   two = planner.Predict(profile, 1, 1, 'always', [2], replicas=2)
   assert one.step_terms['replicas'] == 0.0
   assert two.step_terms['replicas'] == 0.3
   assert two.predicted_step_s == pytest.approx(
       sum(v for k, v in two.step_terms.items()))
+  assert one.peak_terms['replicas'] == 0.0
+  assert two.peak_terms['replicas'] == 1000.0
+  without = planner.Predict(_Profile(TWO_CELLS), 1, 1, 'always', [2],
+                            replicas=2)
+  assert two.predicted_peak_bytes == without.predicted_peak_bytes + 1000.0
   assert planner.Profile.FromJson(profile.ToJson()) == profile
 
 

@@ -44,7 +44,8 @@ from lingvo_gpipe.planning import simulate
 # The terms of a device's predicted peak, in the order they are reported.
 MEMORY_TERMS = ('weights', 'optimizer_slots', 'gradients', 'stage_inputs',
                 'activations', 'backward_workspace', 'output_gradient',
-                'outside_pipeline', 'merged_output', 'update_copies')
+                'outside_pipeline', 'merged_output', 'update_copies',
+                'replicas')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +171,8 @@ class Profile:
       the model of it: the gradients' aggregation across replicas, Lingvo's
       per-replica copies, the replicas' contention for the machine. Measured
       as the real step of K = 1, R = N minus its prediction without it.
+    replica_overhead_bytes: Bytes the same data-parallel step holds on a
+      device beyond the model of it, measured the same way.
     call_overhead_s: Seconds the engine adds to each forward + backward of
       a call of the whole stack on one micro-batch (measured as the real
       step with two micro-batches minus the one with one, beyond the cells'
@@ -190,6 +193,7 @@ class Profile:
   outside_bytes: Affine = Affine(0.0, 0.0)
   step_overhead_s: float = 0.0
   replica_overhead_s: float = 0.0
+  replica_overhead_bytes: float = 0.0
   call_overhead_s: float = 0.0
   model: str = ''
   stack_path: str = 'task.stack'
@@ -210,6 +214,7 @@ class Profile:
         'outside_bytes': self.outside_bytes.ToJson(),
         'step_overhead_s': self.step_overhead_s,
         'replica_overhead_s': self.replica_overhead_s,
+        'replica_overhead_bytes': self.replica_overhead_bytes,
         'call_overhead_s': self.call_overhead_s,
         'model': self.model,
         'stack_path': self.stack_path,
@@ -228,6 +233,8 @@ class Profile:
         outside_bytes=Affine.FromJson(value.get('outside_bytes', [0.0, 0.0])),
         step_overhead_s=float(value.get('step_overhead_s', 0.0)),
         replica_overhead_s=float(value.get('replica_overhead_s', 0.0)),
+        replica_overhead_bytes=float(
+            value.get('replica_overhead_bytes', 0.0)),
         call_overhead_s=float(value.get('call_overhead_s', 0.0)),
         model=value.get('model', ''),
         stack_path=value.get('stack_path', 'task.stack'),
@@ -368,7 +375,8 @@ def Predict(profile: Profile,
   (Lingvo's gradient norm clipping needs all of them first): the device then
   holds its weights, slots, gradients and the largest of its cells'
   gradients once more; where that exceeds the pipeline's peak, the
-  difference is the term 'update_copies'.
+  difference is the term 'update_copies'. With R > 1, every device adds
+  `profile.replica_overhead_bytes` (the term 'replicas').
 
   Args:
     profile: The model.
@@ -454,6 +462,8 @@ def Predict(profile: Profile,
                    max([cell.gradient_bytes for cell in own_cells],
                        default=0.0))
     terms['update_copies'] = max(update_peak - sum(terms.values()), 0.0)
+    terms['replicas'] = (profile.replica_overhead_bytes if replicas > 1 else
+                         0.0)
     device_terms.append(terms)
     device_peaks.append(sum(terms.values()))
   peak_device = max(range(num_stages), key=lambda k: device_peaks[k])
