@@ -160,41 +160,32 @@ def _Child(task: Any, path: str) -> Any:
   return layer
 
 
-# Allocation records per device: {device name: [(micros, bytes), ...]}.
-Records = Dict[str, List[Tuple[int, int]]]
-
-
-def _PassedRecords(step_stats: Any) -> Tuple[Records, Records]:
-  """Allocation records for the buffers passed from one device to another.
+def _ReceivedRecords(step_stats: Any) -> Dict[str, List[Tuple[int, int]]]:
+  """Allocation records for the buffers a device reads from another device.
 
   Logical CPU devices share memory: a tensor passed from one to another is
   not copied, and its allocation is recorded only on the device that made
-  it, until the last reader on any device is done. Devices with their own
-  memory would each hold a copy, from its first use on the device until its
-  last. This finds, per device, the buffers (by address) that its nodes
-  output or read while another device's kernel allocated them, and returns
-  a record of each copy: +bytes at its first use, -bytes at the end of its
-  last; and for the device that made such a buffer, -bytes at the end of
-  its own last use and +bytes when the buffer is released (where that is
-  later), which ends its hold there. A buffer is another device's from the
-  node that allocated it (an output of the size of one of the node's
-  allocations) until the next such node: the allocator reuses addresses.
+  it. A device with its own memory would hold a copy from its first use
+  until its last. This finds, per device, the buffers (by address) that its
+  nodes output or read while another device's kernel allocated them, and
+  returns a record of each copy: +bytes at its first use, -bytes at the end
+  of its last. A buffer is another device's from the node that allocated it
+  (an output of the size of one of the node's allocations) until the next
+  such node: the allocator reuses addresses.
 
   Args:
     step_stats: `RunMetadata.step_stats` of a FULL_TRACE step.
 
   Returns:
-    (copies, handed_off): each {device name: [(micros, bytes), ...]}.
+    {device name: [(micros, bytes), ...]}.
   """
   nodes = sorted(((node.all_start_micros, d.device, node)
                   for d in step_stats.dev_stats for node in d.node_stats),
                  key=lambda n: n[0])
-  buffers: Dict[int, int] = {}  # Address: the buffer there now.
+  owner: Dict[int, Tuple[str, int]] = {}  # Address: (device, buffer).
   sizes: List[int] = []  # Per buffer, its bytes.
-  makers: List[str] = []  # Per buffer, the device that allocated it.
-  released: List[Optional[int]] = []  # Per buffer, when it was released.
-  # Per (device, node): per output, its buffer.
-  made: Dict[Tuple[str, str], List[Optional[int]]] = {}
+  # Per (device, node): per output, (buffer, whether another device's).
+  made: Dict[Tuple[str, str], List[Optional[Tuple[int, bool]]]] = {}
   uses: Dict[Tuple[str, int], List[int]] = {}  # (device, buffer): [start, end]
   for start, device, node in nodes:
     end = start + node.all_end_rel_micros
@@ -215,34 +206,22 @@ def _PassedRecords(step_stats: Any) -> Tuple[Records, Records]:
       if not a.ptr:
         keys.append(None)
         continue
-      if a.allocated_bytes in allocated or a.ptr not in buffers:
-        buffers[a.ptr] = len(sizes)
+      if a.allocated_bytes in allocated or a.ptr not in owner:
+        owner[a.ptr] = (device, len(sizes))
         sizes.append(a.allocated_bytes)
-        makers.append(device)
-        released.append(max(
-            (r.alloc_micros for m in node.memory
-             for r in m.allocation_records
-             if r.alloc_bytes == -a.allocated_bytes), default=None))
-      keys.append(buffers[a.ptr])
+      source, buffer = owner[a.ptr]
+      keys.append((buffer, source != device))
       used.append(keys[-1])
     made[device, node.node_name] = keys
-    for buffer in used:
-      if buffer is not None:
-        span = uses.setdefault((device, buffer), [start, end])
+    for use in used:
+      if use is not None and use[1]:
+        span = uses.setdefault((device, use[0]), [start, end])
         span[0], span[1] = min(span[0], start), max(span[1], end)
-  passed = {buffer for (device, buffer) in uses if device != makers[buffer]}
-  copies: Records = {}
-  handed_off: Records = {}
+  records: Dict[str, List[Tuple[int, int]]] = {}
   for (device, buffer), (first, last) in uses.items():
-    if buffer not in passed:
-      continue
-    size = sizes[buffer]
-    if device != makers[buffer]:
-      copies.setdefault(device, []).extend([(first, size), (last, -size)])
-    elif released[buffer] is not None and released[buffer] > last:
-      handed_off.setdefault(device, []).extend(
-          [(last, -size), (released[buffer], size)])
-  return copies, handed_off
+    records.setdefault(device, []).extend(
+        [(first, sizes[buffer]), (last, -sizes[buffer])])
+  return records
 
 
 def DevicePeaks(step_stats: Any) -> Dict[str, Dict[str, float]]:
@@ -250,9 +229,8 @@ def DevicePeaks(step_stats: Any) -> Dict[str, Dict[str, float]]:
 
   Replays the allocation records of every node (allocations positive,
   releases negative) of each device in time order, with a copy of each
-  buffer the device reads from another and without the buffers it made
-  after its own last use of them (`_PassedRecords`), as a device with its
-  own memory would hold them. Only what the step allocates counts:
+  buffer the device reads from another (`_ReceivedRecords`), as a device
+  with its own memory would hold it. Only what the step allocates counts:
   variables and what earlier steps left are outside.
 
   Args:
@@ -270,19 +248,19 @@ def DevicePeaks(step_stats: Any) -> Dict[str, Dict[str, float]]:
         for record in memory.allocation_records:
           records.setdefault(device, []).append(
               (record.alloc_micros, record.alloc_bytes))
-  received, handed_off = _PassedRecords(step_stats)
+  received = _ReceivedRecords(step_stats)
   result = {}
   for device in set(records) | set(received):
     copies = received.get(device, [])
     # At equal times releases first: a buffer freed and another allocated in
     # the same microsecond do not overlap.
-    own = records.get(device, []) + copies
-    held = peak = 0
-    for _, size in sorted(own + handed_off.get(device, [])):
+    device_records = sorted(records.get(device, []) + copies)
+    held = peak = allocated = 0
+    for _, size in device_records:
       held += size
       peak = max(peak, held)
-    result[device] = {'peak': float(peak),
-                      'allocated': float(sum(max(b, 0) for _, b in own)),
+      allocated += max(size, 0)
+    result[device] = {'peak': float(peak), 'allocated': float(allocated),
                       'end': float(held),
                       'received': float(sum(max(b, 0) for _, b in copies))}
   return result

@@ -297,38 +297,6 @@ def _Node(step_stats, device, name, inputs, start, end, ptr, size,
                                     alloc_bytes=size_or_release)
 
 
-def testDevicePeaksEndTheSendersHoldAtItsOwnLastUse():
-  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.framework import step_stats_pb2
-  from benchmarks import plan_worker
-  # pylint: enable=g-import-not-at-top
-  cpu0, cpu1 = '/device:CPU:0', '/device:CPU:1'
-
-  def Peaks(sender_reads_again):
-    stats = step_stats_pb2.StepStats()
-    # CPU:0 makes x (100 bytes, released at t=90 when CPU:1 is done with
-    # it), then 50 bytes of its own from t=20 to t=30.
-    _Node(stats, cpu0, 'x', [], 0, 5, 0x10, 100, [(0, 100), (90, -100)])
-    # CPU:1 receives x (the same buffer) and reads it until t=80.
-    _Node(stats, cpu1, 'recv', [], 10, 11, 0x10, 100)
-    _Node(stats, cpu1, 'read', ['recv'], 12, 80, 0x20, 8, [(12, 8), (80, -8)])
-    _Node(stats, cpu0, 'tmp', [], 20, 30, 0x30, 50, [(20, 50), (30, -50)])
-    if sender_reads_again:
-      _Node(stats, cpu0, 'again', ['x'], 40, 45, 0x40, 4, [(40, 4), (45, -4)])
-    return plan_worker.DevicePeaks(stats)
-
-  # A device with its own memory frees x after its last use, t=5: the 50
-  # bytes later do not add to it. CPU:1 holds its copy from 10 to 80.
-  peaks = Peaks(sender_reads_again=False)
-  assert peaks[cpu0] == {'peak': 100.0, 'allocated': 150.0, 'end': 0.0,
-                         'received': 0.0}
-  assert peaks[cpu1] == {'peak': 108.0, 'allocated': 108.0, 'end': 0.0,
-                         'received': 100.0}
-  # Read again on CPU:0 at t=40 to 45, x is held there until 45.
-  peaks = Peaks(sender_reads_again=True)
-  assert peaks[cpu0]['peak'] == 150.0
-
-
 def testDevicePeaksHoldACopyOfWhatADeviceReadsFromAnother():
   # pylint: disable=g-import-not-at-top
   from tensorflow.core.framework import step_stats_pb2
