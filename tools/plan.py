@@ -188,7 +188,7 @@ flags.DEFINE_string(
 flags.DEFINE_float(
     'memory_margin', 0.1, 'auto: the fraction of --memory_per_device kept '
     'free for what the model of memory does not see (docs/planning.md, '
-    'measured accuracy: peaks up to 1.11x the prediction): a configuration '
+    'measured accuracy: peaks up to 1.21x the prediction): a configuration '
     'fits if its predicted peak is at most (1 - margin) x memory_per_device.',
     lower_bound=0.0, upper_bound=0.9)
 flags.DEFINE_integer(
