@@ -360,10 +360,11 @@ class CellRun(NamedTuple):
     update_s: Seconds of the optimizer update of its variables, on fed
       gradients (0 without an optimizer).
     workspace_bytes: The most bytes the kernels of forward + backward held at
-      once (one FULL_TRACE run, `AllocationPeak`) beyond the kept bytes and
-      the weight gradients: what a running backward needs besides them.
+      once (the largest of `TRACED_RUNS` FULL_TRACE runs, `AllocationPeak`)
+      beyond the kept bytes and the weight gradients: what a running
+      backward needs besides them.
     kept_bytes: Bytes the forward pass holds for the backward when it ends,
-      in the same run (`HeldAtForwardEnd`).
+      the largest of the same runs (`HeldAtForwardEnd`).
     output_bytes: Bytes of the cell's outputs.
     weight_bytes: Bytes of all the cell's variables.
     gradient_bytes: Bytes of its trainable variables.

@@ -744,12 +744,11 @@ def _Measure(profile: planner.Profile, candidate: planner.Candidate,
       'steps': FLAGS.verify_steps,
       'intra_op_threads': FLAGS.intra_op_threads,
   }
-  runs = []
-  for _ in range(FLAGS.verify_workers):
-    try:
-      runs.append(plan_worker.RunWorker(config, _ROOT))
-    except plan_worker.WorkerError as e:
-      raise PlanError(f'verifying {candidate.Describe()}: {e}') from e
+  try:
+    runs = [plan_worker.RunWorker(config, _ROOT)
+            for _ in range(FLAGS.verify_workers)]
+  except plan_worker.WorkerError as e:
+    raise PlanError(f'verifying {candidate.Describe()}: {e}') from e
   # Device j of the machine is device j mod K of its replica's pipeline.
   per_stage = [0.0] * candidate.num_stages
   for measured in runs:
