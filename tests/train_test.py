@@ -31,9 +31,9 @@ from tools import train
 
 MODEL = 'lm.GPipeCharLmTiny'
 STEPS = 20
-# Deterministic initial weights, so two runs can be compared.
-COMMON = [f'--model={MODEL}', '--num_devices=4', '--stateless_vars_init',
-          '--log_every=1']
+# The launcher's initial weights are the same in every run (its default
+# --stateless_vars_init), so two runs can be compared.
+COMMON = [f'--model={MODEL}', '--num_devices=4', '--log_every=1']
 _TWO_STAGES = '--model_params_override=task.stack.num_stages: 2'
 _LOOP = '--model_params_override=task.stack.engine: "loop"'
 RUNS = {

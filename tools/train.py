@@ -11,6 +11,10 @@ same RunnerManager with three changes:
 * the default job is `trainer_client` with checkpoints written by the
   trainer (`--checkpoint_in_trainer_cpu`): no controller, no 30 s start-up
   wait;
+* variables start from stateless initializers seeded by their names (and
+  the task's `random_seed`), `--stateless_vars_init`: every run, and every
+  replica, starts from the same weights (Lingvo's trainer sets no graph
+  seed, so its default initializers differ from run to run);
 * progress goes to stdout as `step <n>  loss <l>  <x> examples/s` lines
   (the first says how long start-up took instead); Lingvo's full log goes to
   <logdir>/train_log.txt, TensorFlow's C++ log is quiet unless
@@ -83,13 +87,14 @@ flags.DEFINE_integer('log_every', 10, 'Print progress every this many steps.',
 FLAGS = flags.FLAGS
 PROG = 'train.py'
 # Lingvo flags whose default differs here: a local CPU run, one trainer job
-# that writes its own checkpoints. Applied in main(), not at import, so that
+# that writes its own checkpoints, the same initial weights in every run. Applied in main(), not at import, so that
 # importing this module leaves Lingvo's defaults alone.
 LAUNCHER_DEFAULTS = {
     'run_locally': 'cpu',
     'mode': 'sync',
     'job': 'trainer_client',
     'checkpoint_in_trainer_cpu': True,
+    'stateless_vars_init': True,
 }
 
 # What Lingvo's trainers (graph and eager) log after each step, and what its
