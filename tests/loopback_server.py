@@ -14,6 +14,7 @@ restarts them, and kills them all when closed:
 """
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -21,6 +22,11 @@ import time
 from typing import List
 
 JOB = 'worker'
+READY = 'listening'  # What a server prints once its port is bound.
+
+
+class ServerExited(RuntimeError):
+  """A server process exited before it listened (e.g. its port was taken)."""
 
 
 def FreePorts(count: int) -> List[int]:
@@ -42,28 +48,41 @@ class LoopbackCluster:
     addresses: 'host:port' of every task.
   """
 
-  def __init__(self, num_tasks: int, start_timeout: float = 120.0):
+  def __init__(self, num_tasks: int, start_timeout: float = 120.0,
+               attempts: int = 3):
     """Starts `num_tasks` servers and waits until they all listen.
+
+    A port found free can be taken by another process (a connection of a
+    test running beside this one) before the server binds it; the server
+    then exits, and all tasks start again on new ports, up to `attempts`
+    times.
 
     Args:
       num_tasks: The number of tasks (processes).
       start_timeout: Seconds a server may take to start listening.
+      attempts: How many sets of ports to try.
 
     Raises:
-      RuntimeError: if a server exits or does not listen in time (the servers
-        already started are killed).
+      RuntimeError: if a server exits in every attempt or does not listen in
+        time (the servers already started are killed).
     """
-    self.addresses = [f'127.0.0.1:{port}' for port in FreePorts(num_tasks)]
     self._start_timeout = start_timeout
     self._processes = [None] * num_tasks
-    try:
-      for task in range(num_tasks):
-        self._Launch(task)
-      for task in range(num_tasks):
-        self._WaitUntilListening(task)
-    except BaseException:
-      self.Close()
-      raise
+    for attempt in range(1, attempts + 1):
+      self.addresses = [f'127.0.0.1:{port}' for port in FreePorts(num_tasks)]
+      try:
+        for task in range(num_tasks):
+          self._Launch(task)
+        for task in range(num_tasks):
+          self._WaitUntilListening(task)
+        return
+      except ServerExited:
+        self.Close()
+        if attempt == attempts:
+          raise
+      except BaseException:
+        self.Close()
+        raise
 
   @property
   def target(self) -> str:
@@ -78,29 +97,39 @@ class LoopbackCluster:
     self._processes[task] = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), ','.join(self.addresses),
          str(task), str(os.getpid())],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
 
   def _WaitUntilListening(self, task: int) -> None:
-    """Polls the task's port until it accepts connections."""
-    host, port = self.addresses[task].split(':')
+    """Waits until the task's server says it listens (`main` prints READY).
+
+    The server's own word, not a connection to the port: another process
+    may listen there.
+
+    Args:
+      task: The task.
+
+    Raises:
+      ServerExited: if the server exits first.
+      RuntimeError: if it does not listen within the start timeout.
+    """
+    process = self._processes[task]
     deadline = time.monotonic() + self._start_timeout
     while True:
-      code = self._processes[task].poll()
-      if code is not None:
+      readable, _, _ = select.select(
+          [process.stdout], [], [], max(deadline - time.monotonic(), 0.0))
+      if not readable:
         raise RuntimeError(
-            f'server task {task} exited with code {code} before listening on '
-            f'{self.addresses[task]}; run `python {__file__} '
-            f"{','.join(self.addresses)} {task} $$` to see why.")
-      try:
-        socket.create_connection((host, int(port)), timeout=1.0).close()
+            f'server task {task} did not listen on {self.addresses[task]} '
+            f'within {self._start_timeout} s.')
+      line = process.stdout.readline()
+      if line.strip() == READY:
         return
-      except OSError:
-        if time.monotonic() > deadline:
-          raise RuntimeError(
-              f'server task {task} did not listen on {self.addresses[task]} '
-              f'within {self._start_timeout} s.') from None
-        time.sleep(0.1)
+      if not line:  # The end of its output: it exited.
+        raise ServerExited(
+            f'server task {task} exited with code {process.wait()} before '
+            f'listening on {self.addresses[task]}; run `python {__file__} '
+            f"{','.join(self.addresses)} {task} $$` to see why.")
 
   def Kill(self, task: int) -> None:
     """Kills the process of `task` (SIGKILL) and waits until it is gone."""
@@ -108,6 +137,7 @@ class LoopbackCluster:
     if process is not None:
       process.kill()
       process.wait()
+      process.stdout.close()
       self._processes[task] = None
 
   def Restart(self, task: int) -> None:
@@ -133,6 +163,7 @@ def main(argv: List[str]) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   server = tf.distribute.Server(
       tf.train.ClusterSpec({JOB: addresses}), job_name=JOB, task_index=task)
+  print(READY, flush=True)
   # Once the parent is gone this process is re-parented: stop serving.
   while os.getppid() == parent:
     time.sleep(0.5)

@@ -11,6 +11,7 @@
 
 import collections
 import re
+import socket
 import threading
 import time
 
@@ -20,7 +21,7 @@ from lingvo import compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
-from loopback_server import LoopbackCluster
+import loopback_server
 import engine_util
 import test_util
 
@@ -182,8 +183,37 @@ def testMirroredStrategyReplicasOfAPipeline(engine):
 @pytest.fixture(scope='module')
 def loopback_cluster():
   """Two server processes, started once for this module, killed at its end."""
-  with LoopbackCluster(2) as cluster:
+  with loopback_server.LoopbackCluster(2) as cluster:
     yield cluster
+
+
+@pytest.mark.slow
+def testClusterStartsOnNewPortsWhenAPortIsTaken(monkeypatch):
+  """A port taken after it was found free: the servers start on other ports.
+
+  Another process listening there must not pass for the server (a
+  connection to the port would succeed).
+  """
+  taken = socket.socket()
+  taken.bind(('127.0.0.1', 0))
+  taken.listen()
+  port = taken.getsockname()[1]
+  proposals = [[port, loopback_server.FreePorts(1)[0]]]
+  real = loopback_server.FreePorts
+  monkeypatch.setattr(
+      loopback_server, 'FreePorts',
+      lambda count: proposals.pop() if proposals else real(count))
+  try:
+    with loopback_server.LoopbackCluster(2) as cluster:
+      assert not proposals  # The taken port was tried first.
+      assert f'127.0.0.1:{port}' not in cluster.addresses
+      with tf.Graph().as_default():
+        with tf.device(cluster.Device(1)):
+          two = tf.constant(1.0) + 1.0
+        with tf.compat.v1.Session(cluster.target) as sess:
+          assert sess.run(two) == 2.0
+  finally:
+    taken.close()
 
 
 @pytest.fixture
