@@ -12,6 +12,7 @@ from lingvo.core import py_utils
 import pytest
 
 import engine_util
+import test_util
 import tool_util
 
 # Each example trains a Lingvo model for 5 steps.
@@ -48,7 +49,7 @@ def testExampleModelTrains(tmp_path, document, module_name):
   cfg.input.batch_size = 8
   cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=4, split_size=4)
-  graph = tf.Graph()
+  graph = test_util.SeededGraph()  # The same weights in every run.
   with graph.as_default(), cluster:
     py_utils.GetOrCreateGlobalStepVar()
     model = cfg.Instantiate()
