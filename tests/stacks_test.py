@@ -21,6 +21,7 @@ from lingvo.core import py_utils
 from lingvo_gpipe import checkpoints
 from lingvo_gpipe import stacks
 import engine_util
+import test_util
 
 VOCAB, DIM, TIME, BATCH = 12, 8, 6, 4
 
@@ -109,7 +110,7 @@ def _Run(params, inputs, restore=None, train_steps=0, save=None):
   """
   cluster = cluster_factory.ForTestingWorker(
       mode='sync', job='trainer_client', cpus=4, split_size=4)
-  graph = tf.Graph()
+  graph = test_util.SeededGraph()  # The same weights in every run.
   with graph.as_default(), cluster:
     global_step = py_utils.GetOrCreateGlobalStepVar()
     stack = params.Instantiate()
