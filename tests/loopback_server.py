@@ -76,13 +76,10 @@ class LoopbackCluster:
         for task in range(num_tasks):
           self._WaitUntilListening(task)
         return
-      except ServerExited:
+      except BaseException as e:
         self.Close()
-        if attempt == attempts:
+        if not isinstance(e, ServerExited) or attempt == attempts:
           raise
-      except BaseException:
-        self.Close()
-        raise
 
   @property
   def target(self) -> str:

@@ -2,7 +2,7 @@ r"""Trains a registered GPipe model with Lingvo's runner on K local CPU devices.
 
 Lingvo's own `python -m lingvo.trainer --run_locally=cpu` gives its worker one
 CPU device, so a pipeline has nowhere to put stage 2. This launcher runs the
-same RunnerManager with three changes:
+same RunnerManager with four changes:
 
 * the local TF server (graph mode) or the eager context has `--num_devices`
   CPU devices, and the cluster's model split is those K devices, so stage k
@@ -87,8 +87,9 @@ flags.DEFINE_integer('log_every', 10, 'Print progress every this many steps.',
 FLAGS = flags.FLAGS
 PROG = 'train.py'
 # Lingvo flags whose default differs here: a local CPU run, one trainer job
-# that writes its own checkpoints, the same initial weights in every run. Applied in main(), not at import, so that
-# importing this module leaves Lingvo's defaults alone.
+# that writes its own checkpoints, the same initial weights in every run.
+# Applied in main(), not at import, so that importing this module leaves
+# Lingvo's defaults alone.
 LAUNCHER_DEFAULTS = {
     'run_locally': 'cpu',
     'mode': 'sync',
