@@ -361,8 +361,14 @@ class CellRun(NamedTuple):
       gradients (0 without an optimizer).
     workspace_bytes: The most bytes the kernels of forward + backward held at
       once (the largest of `TRACED_RUNS` FULL_TRACE runs, `AllocationPeak`)
-      beyond the kept bytes and the weight gradients: what a running
-      backward needs besides them.
+      beyond the kept bytes and the weight gradients: what a backward that
+      runs in one function with its forward (a recompute) needs besides
+      them; its activations go as it consumes them.
+    kept_workspace_bytes: The most bytes the backward's own kernels held at
+      once (the largest of the same runs) beyond the weight gradients: what
+      the backward of a call that kept its activations needs besides them.
+      Such a backward is a function call of its own, and a call holds its
+      inputs, those activations, until it returns.
     kept_bytes: Bytes the forward pass holds for the backward when it ends,
       the largest of the same runs (`HeldAtForwardEnd`).
     output_bytes: Bytes of the cell's outputs.
@@ -375,6 +381,7 @@ class CellRun(NamedTuple):
   backward_s: float
   update_s: float
   workspace_bytes: float
+  kept_workspace_bytes: float
   kept_bytes: float
   output_bytes: float
   weight_bytes: float
@@ -535,7 +542,7 @@ def ProfileCell(cell: base_layer.BaseLayer,
       # Traced without fetching the outputs: what the backward does not read
       # is released as it would be in a pipeline. The order of kernels that
       # may run in parallel changes the peak: the largest of a few runs.
-      step_peak = kept_bytes = 0.0
+      step_peak = backward_peak = kept_bytes = 0.0
       for _ in range(TRACED_RUNS):
         run_metadata = tf.compat.v1.RunMetadata()
         sess.run(grad_step, feed_dict=feed,
@@ -543,6 +550,8 @@ def ProfileCell(cell: base_layer.BaseLayer,
                      trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
                  run_metadata=run_metadata)
         step_peak = max(step_peak, AllocationPeak(run_metadata.step_stats))
+        backward_peak = max(backward_peak, AllocationPeak(
+            run_metadata.step_stats, BACKWARD_SCOPE))
         kept_bytes = max(kept_bytes, HeldAtForwardEnd(run_metadata.step_stats,
                                                       BACKWARD_SCOPE))
   values = iter(values)
@@ -556,6 +565,7 @@ def ProfileCell(cell: base_layer.BaseLayer,
       backward_s=max(both_s - forward_s, 0.0),
       update_s=update_s,
       workspace_bytes=max(step_peak - kept_bytes - gradient_bytes, 0.0),
+      kept_workspace_bytes=max(backward_peak - gradient_bytes, 0.0),
       kept_bytes=kept_bytes,
       output_bytes=output_bytes,
       weight_bytes=sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
@@ -565,7 +575,7 @@ def ProfileCell(cell: base_layer.BaseLayer,
       outputs=tf.nest.pack_sequence_as(outputs, numpy_outputs))
 
 
-def AllocationPeak(step_stats: Any) -> float:
+def AllocationPeak(step_stats: Any, scope: Optional[str] = None) -> float:
   """The most bytes a traced run's kernels held at once (all devices).
 
   Replays the allocation records that step stats keep per node (FULL_TRACE):
@@ -574,14 +584,17 @@ def AllocationPeak(step_stats: Any) -> float:
 
   Args:
     step_stats: `RunMetadata.step_stats`.
+    scope: If given, only the kernels of nodes named under it (e.g.
+      `BACKWARD_SCOPE`: what a backward's own kernels held at once).
 
   Returns:
     Bytes.
   """
   records = sorted(
       (r.alloc_micros, r.alloc_bytes) for d in step_stats.dev_stats
-      for node in d.node_stats for m in node.memory
-      for r in m.allocation_records)
+      for node in d.node_stats
+      if scope is None or node.node_name.startswith(scope)
+      for m in node.memory for r in m.allocation_records)
   held = peak = 0
   for _, size in records:
     held += size
@@ -679,6 +692,7 @@ def ProfileCells(cells: Sequence[base_layer.BaseLayer],
         update_s=float(np.median([r.update_s for r in cell_runs])),
         activation_bytes=last.kept_bytes / largest,
         workspace_bytes=last.workspace_bytes / largest,
+        kept_workspace_bytes=last.kept_workspace_bytes / largest,
         output_bytes=last.output_bytes / largest,
         weight_bytes=last.weight_bytes,
         gradient_bytes=last.gradient_bytes,

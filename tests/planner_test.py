@@ -168,6 +168,34 @@ def testBackwardWorkspace():
   assert c.device_peak_bytes[1] == 1
 
 
+def testBackwardWorkspaceOfACallThatKeptItsActivations():
+  # Such a backward holds all the call's activations while its own kernels
+  # peak (7 bytes an example here, against 5 when forward and backward run
+  # in one function): device 0 charges it when one of its calls keeps.
+  cells = [_Cell('a', activation=10.0, weight=1.0),
+           _Cell('b', weight=1.0)]
+  cells[0] = planner.CellProfile(**{**cells[0].__dict__,
+                                    'workspace_bytes': 5.0,
+                                    'kept_workspace_bytes': 7.0})
+  profile = _Profile(cells)
+  peaks = {remat: planner.Predict(profile, 2, 2, remat,
+                                  [1, 1]).device_peak_bytes[0]
+           for remat in ('always', 'except_last', 'never')}
+  # 'always': one recomputed call's activations; 'except_last': the last
+  # micro-batch's call keeps them (its backward follows its forward on
+  # device 0); 'never': both calls keep them.
+  assert peaks == {'always': 1 + 20 + 5 * 2, 'except_last': 1 + 20 + 7 * 2,
+                   'never': 1 + 40 + 7 * 2}
+  # Profiles written before the kept workspace was measured fall back to
+  # the one workspace they have.
+  old = dict(cells[0].ToJson())
+  del old['kept_workspace_bytes']
+  fallback = planner.CellProfile.FromJson(old)
+  assert fallback.kept_workspace_bytes is None
+  assert fallback.Workspace(keeps=True) == fallback.Workspace(keeps=False) == 5
+  assert planner.CellProfile.FromJson(cells[0].ToJson()) == cells[0]
+
+
 def testSearchFindsTheHandOptimum():
   # Pure per-example costs plus 1 s per call: K=1 with R=2 replicas and one
   # micro-batch of 2 examples costs 6 s forward + 10 s backward = 16 s, no
@@ -308,6 +336,7 @@ def testProfileCellsSizes():
   assert a.weight_bytes == (8 * 16 + 16) * 4 == a.gradient_bytes
   assert a.slot_bytes == 2 * a.weight_bytes  # Adam: m and v.
   assert a.workspace_bytes >= 0 and b.workspace_bytes >= 0
+  assert a.kept_workspace_bytes >= 0 and b.kept_workspace_bytes >= 0
   assert b.weight_bytes == (16 * 4 + 4) * 4
   assert np.shape(outputs[0]) == (8, 4)
   for p in profiles:
@@ -336,6 +365,8 @@ def testHeldAtForwardEnd():
   Node(costs.BACKWARD_SCOPE + '/grad', 7, 12, [(7, 500), (11, -500)])
   assert costs.HeldAtForwardEnd(stats, costs.BACKWARD_SCOPE) == 108
   assert costs.AllocationPeak(stats) == 1608
+  # The backward's own kernels: 500 at once, whatever the forward holds.
+  assert costs.AllocationPeak(stats, costs.BACKWARD_SCOPE) == 500
 
 
 def testProfileCellKeptBytesOfLingvoFeedForward():
@@ -354,3 +385,6 @@ def testProfileCellKeptBytesOfLingvoFeedForward():
   assert [r.kept_bytes for r in runs] == [7392, 7392]
   assert runs[0].kept_bytes >= 32 * 2 * 16 * 4
   assert runs[0].output_bytes == 32 * 8 * 4
+  # Its backward's own kernels make at least the gradient of the hidden
+  # layer (16 floats per position) beside the weight gradients.
+  assert min(r.kept_workspace_bytes for r in runs) >= 32 * 16 * 4

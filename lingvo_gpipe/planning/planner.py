@@ -118,7 +118,14 @@ class CellProfile:
       inputs).
     workspace_bytes: Per example, what its running backward holds besides
       the kept activations and weight gradients (gradients of activations,
-      kernels' temporaries), measured.
+      kernels' temporaries) when it runs in one function with its forward,
+      as a recomputing call's does: activations go as it consumes them.
+      Measured.
+    kept_workspace_bytes: Per example, what the backward of a call that
+      kept its activations holds besides them and the weight gradients:
+      that backward is a function call of its own, which holds all of them
+      until it returns, so this is the most its own kernels hold at once.
+      Measured; None (profiles written before it was): `workspace_bytes`.
     weight_bytes: Bytes of all its variables.
     gradient_bytes: Bytes of its trainable variables (one gradient each).
     slot_bytes: Bytes of the optimizer's slots for its variables.
@@ -133,6 +140,20 @@ class CellProfile:
   gradient_bytes: float
   slot_bytes: float
   workspace_bytes: float = 0.0
+  kept_workspace_bytes: Optional[float] = None
+
+  def Workspace(self, keeps: bool) -> float:
+    """Per example, a running backward's workspace (see the attributes).
+
+    Args:
+      keeps: Whether the call kept its activations (did not recompute).
+
+    Returns:
+      Bytes per example.
+    """
+    if keeps and self.kept_workspace_bytes is not None:
+      return self.kept_workspace_bytes
+    return self.workspace_bytes
 
   def ToJson(self) -> Dict[str, Any]:
     result = dataclasses.asdict(self)
@@ -367,7 +388,8 @@ def Predict(profile: Profile,
   and (from their first backward) weight gradients; the table's stage inputs
   and activations (`simulate.Simulate` with byte sizes: the input of chunk c
   is the output of chunk c - 1, or the pipeline's input for c = 0); the
-  workspace of a running backward (the largest of its chunks' cells') and the
+  workspace of a running backward (the largest of its chunks' cells', as the
+  backward of a call that kept its activations where the chunk has one) and the
   gradient of its outputs that it receives (the largest of its chunks'); on
   the first device, `profile.outside_bytes` (input and loss temporaries); on
   the device of the last chunk, the merged output of the replica's batch. After
@@ -426,10 +448,15 @@ def Predict(profile: Profile,
       table, forward, backward, remat,
       input_memory=inputs, activation_memory=activations,
       gradient_memory=gradients)
-  # A running backward's workspace: the largest of one of its cells'.
+  # A running backward's workspace: the largest of one of its cells', as
+  # a backward of a call that kept its activations if the chunk has one.
+  recomputed = schedule.RecomputedCalls(table, remat)
+  keeps = [not all(recomputed[c, m] for m in range(table.num_micro_batches))
+           for c in range(table.num_chunks)]
   workspace = [
-      max(c.workspace_bytes * micro for c in cells[end - count:end])
-      for end, count in zip(ends, counts)
+      max(c.Workspace(keeps[chunk]) * micro
+          for c in cells[end - count:end])
+      for chunk, (end, count) in enumerate(zip(ends, counts))
   ]
   # ... and the gradient of its outputs, which it receives.
   output_gradients = [cells[end - 1].output_bytes * micro for end in ends]
