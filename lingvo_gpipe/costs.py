@@ -347,8 +347,14 @@ UPSTREAM_GRADIENT = 1e-6
 # The name scope of a profiled cell's backward pass (`HeldAtForwardEnd`).
 BACKWARD_SCOPE = 'profiled_backward'
 
-# Traced runs of each profiled cell, for its memory.
-TRACED_RUNS = 3
+# Traced runs of each profiled cell, for its memory. Which independent
+# kernels of a backward run at once changes from run to run, and with it
+# the peak: a Transformer layer of lm.GPipeCharLm holds one 4 MiB
+# matrix-product temporary at a time in some runs and two in others, in
+# proportions that change between processes. Workspaces are the least of
+# the runs (the fewest temporaries at once, a property of the cell rather
+# than of one run's order); kept bytes the largest.
+TRACED_RUNS = 9
 
 
 class CellRun(NamedTuple):
@@ -360,12 +366,12 @@ class CellRun(NamedTuple):
     update_s: Seconds of the optimizer update of its variables, on fed
       gradients (0 without an optimizer).
     workspace_bytes: The most bytes the kernels of forward + backward held at
-      once (the largest of `TRACED_RUNS` FULL_TRACE runs, `AllocationPeak`)
+      once (the least of `TRACED_RUNS` FULL_TRACE runs, `AllocationPeak`)
       beyond the kept bytes and the weight gradients: what a backward that
       runs in one function with its forward (a recompute) needs besides
       them; its activations go as it consumes them.
     kept_workspace_bytes: The most bytes the backward's own kernels held at
-      once (the largest of the same runs) beyond the weight gradients: what
+      once (the least of the same runs) beyond the weight gradients: what
       the backward of a call that kept its activations needs besides them.
       Such a backward is a function call of its own, and a call holds its
       inputs, those activations, until it returns.
@@ -541,19 +547,18 @@ def ProfileCell(cell: base_layer.BaseLayer,
       update_s = work[2] if update_step is not None else 0.0
       # Traced without fetching the outputs: what the backward does not read
       # is released as it would be in a pipeline. The order of kernels that
-      # may run in parallel changes the peak: the largest of a few runs.
-      step_peak = backward_peak = kept_bytes = 0.0
+      # may run in parallel changes the peaks (see TRACED_RUNS).
+      step_peaks, backward_peaks, kept = [], [], []
       for _ in range(TRACED_RUNS):
         run_metadata = tf.compat.v1.RunMetadata()
         sess.run(grad_step, feed_dict=feed,
                  options=tf.compat.v1.RunOptions(
                      trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
                  run_metadata=run_metadata)
-        step_peak = max(step_peak, AllocationPeak(run_metadata.step_stats))
-        backward_peak = max(backward_peak, AllocationPeak(
-            run_metadata.step_stats, BACKWARD_SCOPE))
-        kept_bytes = max(kept_bytes, HeldAtForwardEnd(run_metadata.step_stats,
-                                                      BACKWARD_SCOPE))
+        step_peaks.append(AllocationPeak(run_metadata.step_stats))
+        backward_peaks.append(AllocationPeak(run_metadata.step_stats,
+                                             BACKWARD_SCOPE))
+        kept.append(HeldAtForwardEnd(run_metadata.step_stats, BACKWARD_SCOPE))
   values = iter(values)
   numpy_outputs = [None if y is None else next(values) for y in flat_outputs]
   output_bytes = sum(float(np.asarray(y).nbytes) for y in numpy_outputs
@@ -564,9 +569,9 @@ def ProfileCell(cell: base_layer.BaseLayer,
       forward_s=forward_s,
       backward_s=max(both_s - forward_s, 0.0),
       update_s=update_s,
-      workspace_bytes=max(step_peak - kept_bytes - gradient_bytes, 0.0),
-      kept_workspace_bytes=max(backward_peak - gradient_bytes, 0.0),
-      kept_bytes=kept_bytes,
+      workspace_bytes=max(min(step_peaks) - max(kept) - gradient_bytes, 0.0),
+      kept_workspace_bytes=max(min(backward_peaks) - gradient_bytes, 0.0),
+      kept_bytes=max(kept),
       output_bytes=output_bytes,
       weight_bytes=sum(_Bytes(v.shape.as_list(), v.dtype.base_dtype)
                        for v in variables),
@@ -641,8 +646,9 @@ def ProfileCells(cells: Sequence[base_layer.BaseLayer],
 
   Every cell is profiled (`ProfileCell`) on micro-batches of each size in
   `micro_batch_sizes` (the first examples of `sample_inputs`), cell i + 1 on
-  cell i's outputs. Times are fitted as fixed + per-example cost
-  (`planner.Affine.Fit`); bytes are taken per example on the largest size;
+  cell i's outputs. Times and workspaces are fitted as fixed + per-example
+  cost (`planner.Affine.Fit`: some kernels' temporaries do not shrink with
+  the micro-batch); other bytes are taken per example on the largest size;
   the update time is the median over the sizes (it does not depend on them).
 
   Args:
@@ -691,8 +697,10 @@ def ProfileCells(cells: Sequence[base_layer.BaseLayer],
                                       [r.backward_s for r in cell_runs]),
         update_s=float(np.median([r.update_s for r in cell_runs])),
         activation_bytes=last.kept_bytes / largest,
-        workspace_bytes=last.workspace_bytes / largest,
-        kept_workspace_bytes=last.kept_workspace_bytes / largest,
+        workspace_bytes=planner.Affine.Fit(
+            sizes, [r.workspace_bytes for r in cell_runs]),
+        kept_workspace_bytes=planner.Affine.Fit(
+            sizes, [r.kept_workspace_bytes for r in cell_runs]),
         output_bytes=last.output_bytes / largest,
         weight_bytes=last.weight_bytes,
         gradient_bytes=last.gradient_bytes,

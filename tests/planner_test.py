@@ -156,15 +156,16 @@ def testReplicasPayTheirMeasuredOverhead():
 
 
 def testBackwardWorkspace():
-  # A running backward needs its largest cell's workspace (per example, on
-  # the micro-batch): 5 x 2 bytes on device 0 next to its two inputs' worth
-  # of nothing and one call's activations.
+  # A running backward needs its largest cell's workspace on the
+  # micro-batch: 3 + 5 x 2 bytes on device 0 (a kernel's temporary need not
+  # shrink with the examples) next to its two inputs' worth of nothing and
+  # one call's activations.
   cells = [_Cell('a', activation=10.0, weight=1.0),
            _Cell('b', weight=1.0)]
   cells[0] = planner.CellProfile(**{**cells[0].__dict__,
-                                    'workspace_bytes': 5.0})
+                                    'workspace_bytes': Affine(3.0, 5.0)})
   c = planner.Predict(_Profile(cells), 2, 2, 'always', [1, 1])
-  assert c.device_peak_bytes[0] == 1 + 20 + 10
+  assert c.device_peak_bytes[0] == 1 + 20 + 3 + 10
   assert c.device_peak_bytes[1] == 1
 
 
@@ -174,9 +175,9 @@ def testBackwardWorkspaceOfACallThatKeptItsActivations():
   # in one function): device 0 charges it when one of its calls keeps.
   cells = [_Cell('a', activation=10.0, weight=1.0),
            _Cell('b', weight=1.0)]
-  cells[0] = planner.CellProfile(**{**cells[0].__dict__,
-                                    'workspace_bytes': 5.0,
-                                    'kept_workspace_bytes': 7.0})
+  cells[0] = planner.CellProfile(
+      **{**cells[0].__dict__, 'workspace_bytes': Affine(0.0, 5.0),
+         'kept_workspace_bytes': Affine(0.0, 7.0)})
   profile = _Profile(cells)
   peaks = {remat: planner.Predict(profile, 2, 2, remat,
                                   [1, 1]).device_peak_bytes[0]
@@ -186,13 +187,14 @@ def testBackwardWorkspaceOfACallThatKeptItsActivations():
   # device 0); 'never': both calls keep them.
   assert peaks == {'always': 1 + 20 + 5 * 2, 'except_last': 1 + 20 + 7 * 2,
                    'never': 1 + 40 + 7 * 2}
-  # Profiles written before the kept workspace was measured fall back to
-  # the one workspace they have.
-  old = dict(cells[0].ToJson())
+  # Profiles written before the kept workspace was measured (and when the
+  # one workspace they have was bytes per example) fall back to it.
+  old = dict(cells[0].ToJson(), workspace_bytes=5.0)
   del old['kept_workspace_bytes']
   fallback = planner.CellProfile.FromJson(old)
   assert fallback.kept_workspace_bytes is None
-  assert fallback.Workspace(keeps=True) == fallback.Workspace(keeps=False) == 5
+  assert fallback.Workspace(keeps=True) == Affine(0.0, 5.0)
+  assert fallback.Workspace(keeps=False) == Affine(0.0, 5.0)
   assert planner.CellProfile.FromJson(cells[0].ToJson()) == cells[0]
 
 
@@ -335,12 +337,12 @@ def testProfileCellsSizes():
   assert a.output_bytes == 16 * 4 and b.output_bytes == 4 * 4
   assert a.weight_bytes == (8 * 16 + 16) * 4 == a.gradient_bytes
   assert a.slot_bytes == 2 * a.weight_bytes  # Adam: m and v.
-  assert a.workspace_bytes >= 0 and b.workspace_bytes >= 0
-  assert a.kept_workspace_bytes >= 0 and b.kept_workspace_bytes >= 0
   assert b.weight_bytes == (16 * 4 + 4) * 4
   assert np.shape(outputs[0]) == (8, 4)
   for p in profiles:
     assert p.forward_s(8) >= 0 and p.backward_s(8) >= 0 and p.update_s >= 0
+    for workspace in (p.workspace_bytes, p.kept_workspace_bytes):
+      assert workspace.fixed >= 0 and workspace.per_example >= 0
 
 
 def testHeldAtForwardEnd():

@@ -116,16 +116,17 @@ class CellProfile:
       weights).
     output_bytes: Per example, the bytes of its outputs (the next cell's
       inputs).
-    workspace_bytes: Per example, what its running backward holds besides
-      the kept activations and weight gradients (gradients of activations,
-      kernels' temporaries) when it runs in one function with its forward,
-      as a recomputing call's does: activations go as it consumes them.
-      Measured.
-    kept_workspace_bytes: Per example, what the backward of a call that
-      kept its activations holds besides them and the weight gradients:
-      that backward is a function call of its own, which holds all of them
-      until it returns, so this is the most its own kernels hold at once.
-      Measured; None (profiles written before it was): `workspace_bytes`.
+    workspace_bytes: Bytes on n examples that its running backward holds
+      besides the kept activations and weight gradients (gradients of
+      activations, kernels' temporaries) when it runs in one function with
+      its forward, as a recomputing call's does: activations go as it
+      consumes them. Measured; a fixed part, since some kernels' temporaries
+      do not shrink with the micro-batch.
+    kept_workspace_bytes: The same for the backward of a call that kept its
+      activations: that backward is a function call of its own, which holds
+      all of them until it returns, so this is the most its own kernels
+      hold at once. Measured; None (profiles written before it was):
+      `workspace_bytes`.
     weight_bytes: Bytes of all its variables.
     gradient_bytes: Bytes of its trainable variables (one gradient each).
     slot_bytes: Bytes of the optimizer's slots for its variables.
@@ -139,17 +140,17 @@ class CellProfile:
   weight_bytes: float
   gradient_bytes: float
   slot_bytes: float
-  workspace_bytes: float = 0.0
-  kept_workspace_bytes: Optional[float] = None
+  workspace_bytes: Affine = Affine(0.0, 0.0)
+  kept_workspace_bytes: Optional[Affine] = None
 
-  def Workspace(self, keeps: bool) -> float:
-    """Per example, a running backward's workspace (see the attributes).
+  def Workspace(self, keeps: bool) -> Affine:
+    """A running backward's workspace (see the attributes).
 
     Args:
       keeps: Whether the call kept its activations (did not recompute).
 
     Returns:
-      Bytes per example.
+      Bytes on n examples.
     """
     if keeps and self.kept_workspace_bytes is not None:
       return self.kept_workspace_bytes
@@ -157,16 +158,28 @@ class CellProfile:
 
   def ToJson(self) -> Dict[str, Any]:
     result = dataclasses.asdict(self)
-    result['forward_s'] = self.forward_s.ToJson()
-    result['backward_s'] = self.backward_s.ToJson()
+    for name in _AFFINE_FIELDS:
+      value = getattr(self, name)
+      result[name] = None if value is None else value.ToJson()
     return result
 
   @classmethod
   def FromJson(cls, value: Dict[str, Any]) -> 'CellProfile':
     fields = dict(value)
-    fields['forward_s'] = Affine.FromJson(fields['forward_s'])
-    fields['backward_s'] = Affine.FromJson(fields['backward_s'])
+    for name in _AFFINE_FIELDS:
+      if fields.get(name) is None:
+        continue
+      if isinstance(fields[name], (int, float)):
+        # Profiles written before workspaces had a fixed part: per example.
+        fields[name] = Affine(0.0, float(fields[name]))
+      else:
+        fields[name] = Affine.FromJson(fields[name])
     return cls(**fields)
+
+
+# The fields of `CellProfile` that are costs of the examples.
+_AFFINE_FIELDS = ('forward_s', 'backward_s', 'workspace_bytes',
+                  'kept_workspace_bytes')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,7 +467,7 @@ def Predict(profile: Profile,
   keeps = [not all(recomputed[c, m] for m in range(table.num_micro_batches))
            for c in range(table.num_chunks)]
   workspace = [
-      max(c.Workspace(keeps[chunk]) * micro
+      max(c.Workspace(keeps[chunk])(micro)
           for c in cells[end - count:end])
       for chunk, (end, count) in enumerate(zip(ends, counts))
   ]
