@@ -372,9 +372,9 @@ class CellRun(NamedTuple):
       them; its activations go as it consumes them.
     kept_workspace_bytes: The most bytes the backward's own kernels held at
       once (the least of the same runs) beyond the weight gradients: what
-      the backward of a call that kept its activations needs besides them.
-      Such a backward is a function call of its own, and a call holds its
-      inputs, those activations, until it returns.
+      the backward of a call that kept its activations needs besides them:
+      in a pipeline's allocation records such a backward runs as a function
+      call of its own and holds all of them until it ends.
     kept_bytes: Bytes the forward pass holds for the backward when it ends,
       the largest of the same runs (`HeldAtForwardEnd`).
     output_bytes: Bytes of the cell's outputs.

@@ -123,10 +123,9 @@ class CellProfile:
       consumes them. Measured; a fixed part, since some kernels' temporaries
       do not shrink with the micro-batch.
     kept_workspace_bytes: The same for the backward of a call that kept its
-      activations: that backward is a function call of its own, which holds
-      all of them until it returns, so this is the most its own kernels
-      hold at once. Measured; None (profiles written before it was):
-      `workspace_bytes`.
+      activations, which holds all of them until it ends (it runs as a
+      function call of its own): the most its own kernels hold at once.
+      Measured; None (profiles written before it was): `workspace_bytes`.
     weight_bytes: Bytes of all its variables.
     gradient_bytes: Bytes of its trainable variables (one gradient each).
     slot_bytes: Bytes of the optimizer's slots for its variables.
@@ -401,8 +400,8 @@ def Predict(profile: Profile,
   and (from their first backward) weight gradients; the table's stage inputs
   and activations (`simulate.Simulate` with byte sizes: the input of chunk c
   is the output of chunk c - 1, or the pipeline's input for c = 0); the
-  workspace of a running backward (the largest of its chunks' cells', as the
-  backward of a call that kept its activations where the chunk has one) and the
+  workspace of a running backward (the largest of its chunks' cells', in the
+  form for a call that kept its activations where the chunk has one) and the
   gradient of its outputs that it receives (the largest of its chunks'); on
   the first device, `profile.outside_bytes` (input and loss temporaries); on
   the device of the last chunk, the merged output of the replica's batch. After
