@@ -101,6 +101,11 @@ class Affine:
     return cls(float(fixed), float(per_example))
 
 
+# The fields of `CellProfile` that are costs of the examples.
+_AFFINE_FIELDS = ('forward_s', 'backward_s', 'workspace_bytes',
+                  'kept_workspace_bytes')
+
+
 @dataclasses.dataclass(frozen=True)
 class CellProfile:
   """What one cell costs (see `lingvo_gpipe.costs.ProfileCells`).
@@ -174,11 +179,6 @@ class CellProfile:
       else:
         fields[name] = Affine.FromJson(fields[name])
     return cls(**fields)
-
-
-# The fields of `CellProfile` that are costs of the examples.
-_AFFINE_FIELDS = ('forward_s', 'backward_s', 'workspace_bytes',
-                  'kept_workspace_bytes')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,8 +462,8 @@ def Predict(profile: Profile,
       gradient_memory=gradients)
   # A running backward's workspace: the largest of one of its cells', as
   # a backward of a call that kept its activations if the chunk has one.
-  recomputed = schedule.RecomputedCalls(table, remat)
-  keeps = [not all(recomputed[c, m] for m in range(table.num_micro_batches))
+  keeps = [not all(sim.recomputes[c, m]
+                   for m in range(table.num_micro_batches))
            for c in range(table.num_chunks)]
   workspace = [
       max(c.Workspace(keeps[chunk])(micro)
