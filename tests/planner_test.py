@@ -198,6 +198,46 @@ def testBackwardWorkspaceOfACallThatKeptItsActivations():
   assert planner.CellProfile.FromJson(cells[0].ToJson()) == cells[0]
 
 
+def testWorkspaceOfTheBackwardRunningAtThePeak():
+  # K=2 v=2 M=1 'never', cells a b c d of 1 example. Device 0 runs F0 F2
+  # B2 B0; cell a's backward needs a large workspace (50), c's a small one
+  # (2). At B2 the device holds both calls' activations (10 + 10), both
+  # inputs and c's workspace: 20 + 2 + 6 (inputs 2 + 4) + 1 (gradient of
+  # c's output); at B0 only a's input and activations, a's workspace and
+  # the gradient of a's output: 2 + 10 + 50 + 3. The peak is B0's; the
+  # largest workspace next to all activations (the old model) would be
+  # 20 + 50 + 6 + 3.
+  def Cell(name, workspace, output):
+    return planner.CellProfile(**{
+        **_Cell(name, activation=10.0, output=output).__dict__,
+        'workspace_bytes': Affine(workspace, 0.0),
+        'kept_workspace_bytes': Affine(workspace, 0.0)})
+  cells = [Cell('a', 50.0, 3.0), Cell('b', 0.0, 4.0), Cell('c', 2.0, 1.0),
+           Cell('d', 0.0, 1.0)]
+  profile = planner.Profile(cells=tuple(cells), input_bytes=2.0, batch_size=1)
+  c = planner.Predict(profile, 2, 1, 'never', [1, 1, 1, 1], virtual_stages=2)
+  assert c.device_peak_bytes[0] == 2 + 10 + 50 + 3
+  assert c.peak_device == 0 and c.peak_terms['backward_workspace'] == 50
+  assert c.peak_terms['stage_inputs'] == 2
+  # The stage inputs are each chunk's own (2 for chunk 0, 4 for chunk 2),
+  # not the largest times their number.
+  table = schedule.BuildTable('gpipe', 2, 1, 2)
+  sim = simulate.Simulate(table, [1.0] * 4, [1.0] * 4, 'never',
+                          input_memory=[2.0, 3.0, 4.0, 1.0],
+                          activation_memory=[10.0] * 4,
+                          backward_memory=[50.0, 0.0, 3.0, 0.0])
+  # Device 0 at B2: inputs 2 + 4, activations 20, workspace 3: 29; at B0:
+  # 2 + 10 + 50 = 62, the peak, with B0's backward running.
+  assert sim.peak_memory[0] == 62.0
+  assert sim.peak_input_memory[0] == 2.0
+  assert sim.peak_backward_chunk[0] == 0
+  # Device 1 (chunks 1 and 3) peaks after its forwards: 3 + 1 + 20, and at
+  # B3 (nothing transient) holds the same: the first such tick, a forward.
+  assert sim.peak_memory[1] == 24.0 and sim.peak_backward_chunk[1] is None
+  with pytest.raises(ValueError, match='backward_memory'):
+    simulate.Simulate(table, [1.0] * 4, [1.0] * 4, backward_memory=[1.0])
+
+
 def testSearchFindsTheHandOptimum():
   # Pure per-example costs plus 1 s per call: K=1 with R=2 replicas and one
   # micro-batch of 2 examples costs 6 s forward + 10 s backward = 16 s, no

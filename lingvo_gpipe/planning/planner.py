@@ -400,9 +400,10 @@ def Predict(profile: Profile,
   and (from their first backward) weight gradients; the table's stage inputs
   and activations (`simulate.Simulate` with byte sizes: the input of chunk c
   is the output of chunk c - 1, or the pipeline's input for c = 0); the
-  workspace of a running backward (the largest of its chunks' cells', in the
-  form for a call that kept its activations where the chunk has one) and the
-  gradient of its outputs that it receives (the largest of its chunks'); on
+  workspace of the backward running at the device's worst tick (the largest
+  of its chunk's cells', in the form for a call that kept its activations
+  where the chunk has one) and the gradient of its outputs that it
+  receives; on
   the first device, `profile.outside_bytes` (input and loss temporaries); on
   the device of the last chunk, the merged output of the replica's batch. After
   the pipeline the learner scales every weight gradient into a new tensor
@@ -456,44 +457,45 @@ def Predict(profile: Profile,
   ends = [sum(counts[:c + 1]) for c in range(len(counts))]
   inputs = [profile.input_bytes * micro] + [
       cells[end - 1].output_bytes * micro for end in ends[:-1]]
-  sim = simulate.Simulate(
-      table, forward, backward, remat,
-      input_memory=inputs, activation_memory=activations,
-      gradient_memory=gradients)
-  # A running backward's workspace: the largest of one of its cells', as
-  # a backward of a call that kept its activations if the chunk has one.
-  keeps = [not all(sim.recomputes[c, m]
-                   for m in range(table.num_micro_batches))
+  # A running backward holds the workspace of one of its cells (the
+  # largest; as a backward of a call that kept its activations if the chunk
+  # has one) and the gradient of its outputs, which it receives.
+  recomputes = schedule.RecomputedCalls(table, remat)
+  keeps = [not all(recomputes[c, m] for m in range(table.num_micro_batches))
            for c in range(table.num_chunks)]
   workspace = [
       max(c.Workspace(keeps[chunk])(micro)
           for c in cells[end - count:end])
       for chunk, (end, count) in enumerate(zip(ends, counts))
   ]
-  # ... and the gradient of its outputs, which it receives.
   output_gradients = [cells[end - 1].output_bytes * micro for end in ends]
+  sim = simulate.Simulate(
+      table, forward, backward, remat,
+      input_memory=inputs, activation_memory=activations,
+      gradient_memory=gradients,
+      backward_memory=[w + g for w, g in zip(workspace, output_gradients)])
   merged_output = cells[-1].output_bytes * replica_batch
   last_device = table.Device(table.num_chunks - 1)
   device_peaks, device_terms = [], []
   for k in range(num_stages):
     own = range(k, table.num_chunks, num_stages)
+    running = sim.peak_backward_chunk[k]
     terms = {
         'weights': sum(weights[c] for c in own),
         'optimizer_slots': sum(slots[c] for c in own),
         'gradients': sim.peak_gradients[k],
-        'stage_inputs': 0.0,
+        'stage_inputs': sim.peak_input_memory[k],
         'activations': 0.0,
-        'backward_workspace': max(workspace[c] for c in own),
-        'output_gradient': max(output_gradients[c] for c in own),
+        'backward_workspace': 0.0 if running is None else workspace[running],
+        'output_gradient': (0.0 if running is None else
+                            output_gradients[running]),
         'outside_pipeline': (profile.outside_bytes(replica_batch)
                              if k == 0 else 0.0),
         'merged_output': merged_output if k == last_device else 0.0,
     }
-    # Split the table's peak into the inputs it holds and the activations.
-    held = sim.peak_memory[k] - sim.peak_gradients[k]
-    input_part = _HeldInputs(sim, k, inputs, num_stages)
-    terms['stage_inputs'] = min(input_part, held)
-    terms['activations'] = held - terms['stage_inputs']
+    terms['activations'] = (
+        sim.peak_memory[k] - sim.peak_gradients[k] - terms['stage_inputs'] -
+        terms['backward_workspace'] - terms['output_gradient'])
     own_cells = [cell for c in own
                  for cell in cells[ends[c] - counts[c]:ends[c]]]
     update_peak = (terms['weights'] + terms['optimizer_slots'] +
@@ -534,26 +536,6 @@ def Predict(profile: Profile,
                   'replicas': replica_s},
       partition_rule=partition_rule,
       bubble_fraction=sim.bubble_fraction)
-
-
-def _HeldInputs(sim: simulate.Simulation, device: int,
-                inputs: Sequence[float], num_stages: int) -> float:
-  """Bytes of the stage inputs a device holds at its peak.
-
-  The simulation counts how many inputs the device holds then; with v > 1
-  its chunks' inputs differ in size, and the largest is taken.
-
-  Args:
-    sim: The simulation.
-    device: k.
-    inputs: Per chunk, the bytes of one micro-batch's input.
-    num_stages: K.
-
-  Returns:
-    Bytes.
-  """
-  own = inputs[device::num_stages]
-  return sim.peak_inputs[device] * max(own)
 
 
 def ProfileSizes(batch_size: int,

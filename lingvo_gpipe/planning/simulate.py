@@ -54,6 +54,11 @@ class Simulation:
       at that peak.
     peak_gradients: Per device, the weight-gradient memory it holds at that
       peak (0 unless `gradient_memory` is given).
+    peak_input_memory: Per device, the size of the chunk inputs it holds at
+      that peak (0 unless `input_memory` is given).
+    peak_backward_chunk: Per device, the chunk whose backward runs at that
+      peak (its `backward_memory` is in the peak), or None if a forward
+      makes it.
     events: Every phase of every call, by device, then by start.
     recomputes: {(chunk, micro_batch): whether its backward recomputes}.
   """
@@ -68,6 +73,19 @@ class Simulation:
   events: List[Event] = dataclasses.field(repr=False)
   recomputes: Dict[Tuple[int, int], bool] = dataclasses.field(repr=False)
   peak_gradients: List[float] = dataclasses.field(default_factory=list)
+  peak_input_memory: List[float] = dataclasses.field(default_factory=list)
+  peak_backward_chunk: List[Optional[int]] = dataclasses.field(
+      default_factory=list)
+
+
+class _Peak(NamedTuple):
+  """What a device holds at one moment of `_Peaks`' walk."""
+  memory: float
+  inputs: int
+  activations: int
+  gradients: float
+  input_memory: float
+  backward_chunk: Optional[int]
 
 
 def StageOccupancy(events: Sequence[Event], num_stages: int) -> Occupancy:
@@ -129,9 +147,9 @@ def _CheckCosts(name: str, values: Sequence[float],
 
 def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
            inputs: Sequence[float], activations: Sequence[float],
-           gradients: Sequence[float]
-          ) -> List[Tuple[float, int, int, float]]:
-  """Per device, (peak memory, inputs held, activations held, gradient memory).
+           gradients: Sequence[float],
+           backward_memory: Sequence[float]) -> List[_Peak]:
+  """Per device, what it holds at its peak.
 
   Walks each device's actions in table order (see `Simulate` for the model).
 
@@ -141,24 +159,28 @@ def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
     inputs: Per chunk, the size of one micro-batch's input.
     activations: Per chunk, the size of one call's full activations.
     gradients: Per chunk, the size of its weight gradients.
+    backward_memory: Per chunk, what its backward holds only while it runs.
 
   Returns:
-    One quadruple per device, at its peak.
+    One `_Peak` per device; of equal peaks, the one that holds the most
+    inputs, then activations.
   """
   peaks = []
   for order in table.device_orders:
     held_inputs = held_activations = 0
-    size = held_gradients = 0.0
+    size = held_gradients = input_size = 0.0
     summed = set()  # Chunks whose gradient sum exists.
-    peak = (0.0, 0, 0, 0.0)
+    peak = _Peak(0.0, 0, 0, 0.0, 0.0, None)
     for phase, c, m in order:
       kept = not recomputes[c, m]
       if phase == schedule.FORWARD:
         held_inputs += 1
         size += inputs[c]
+        input_size += inputs[c]
         # Running, the call holds its activations; a kept call keeps them.
-        candidate = (size + activations[c], held_inputs, held_activations + 1,
-                     held_gradients)
+        candidate = _Peak(size + activations[c], held_inputs,
+                          held_activations + 1, held_gradients, input_size,
+                          None)
         if kept:
           held_activations += 1
           size += activations[c]
@@ -172,14 +194,18 @@ def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
           held_gradients += gradients[c]
           size += gradients[c]
           fresh = 0.0
-        candidate = (size + running * activations[c] + fresh, held_inputs,
-                     held_activations + running, held_gradients + fresh)
+        candidate = _Peak(
+            size + running * activations[c] + fresh + backward_memory[c],
+            held_inputs, held_activations + running, held_gradients + fresh,
+            input_size, c)
         held_inputs -= 1
         size -= inputs[c]
+        input_size -= inputs[c]
         if kept:
           held_activations -= 1
           size -= activations[c]
-      peak = max(peak, candidate)
+      if candidate[:5] > peak[:5]:  # Of equal peaks, the one holding most.
+        peak = candidate
     peaks.append(peak)
   return peaks
 
@@ -193,7 +219,8 @@ def Simulate(table: schedule.Table,
              activation_memory: Optional[Sequence[float]] = None,
              lockstep: bool = False,
              tick_overhead: float = 0.0,
-             gradient_memory: Optional[Sequence[float]] = None) -> Simulation:
+             gradient_memory: Optional[Sequence[float]] = None,
+             backward_memory: Optional[Sequence[float]] = None) -> Simulation:
   """Times one training step of a schedule table from per-chunk costs.
 
   Each device runs its actions in table order, one at a time. Timing, two
@@ -220,7 +247,8 @@ def Simulate(table: schedule.Table,
   call's forward, recompute or backward runs, and for a call that does not
   recompute from its forward until its backward ends, the call also holds its
   full activations (`activation_memory`, the intermediate tensors the backward
-  needs, without the input). So for GPipe with M micro-batches the peak is
+  needs, without the input), and a backward holds its `backward_memory`
+  while it runs. So for GPipe with M micro-batches the peak is
   M inputs + 1 activations for 'always' and 'except_last', M inputs + M
   activations for 'never'. By default an input counts 0 and a call's
   activations 1: `peak_memory` is in "one call's activations"; pass byte
@@ -246,6 +274,9 @@ def Simulate(table: schedule.Table,
     tick_overhead: With lockstep, the cost of a tick beyond its work.
     gradient_memory: Optional per-chunk sizes of the chunk's weight
       gradients (default 0 each).
+    backward_memory: Optional per-chunk sizes of what a backward of the
+      chunk holds only while it runs, e.g. its kernels' temporaries and the
+      gradient it receives (default 0 each).
 
   Returns:
     A `Simulation`.
@@ -274,6 +305,8 @@ def Simulate(table: schedule.Table,
                              num_chunks))
   gradients = ([0.0] * num_chunks if gradient_memory is None else
                _CheckCosts('gradient_memory', gradient_memory, num_chunks))
+  transient = ([0.0] * num_chunks if backward_memory is None else
+               _CheckCosts('backward_memory', backward_memory, num_chunks))
   recomputes = schedule.RecomputedCalls(table, remat)
 
   end = {}  # Action -> when it ended.
@@ -321,16 +354,19 @@ def Simulate(table: schedule.Table,
   forward_time = max(e.end for e in flat if e.phase == 'forward')
   busy = [sum(e.end - e.start for e in device_events)
           for device_events in events]
-  peaks = _Peaks(table, recomputes, inputs, activations, gradients)
+  peaks = _Peaks(table, recomputes, inputs, activations, gradients,
+                 transient)
   return Simulation(
       table=table,
       step_time=step_time,
       forward_time=forward_time,
       bubble_fraction=1.0 - sum(busy) / (num_devices * step_time),
       utilization=[b / step_time for b in busy],
-      peak_memory=[p[0] for p in peaks],
-      peak_inputs=[p[1] for p in peaks],
-      peak_activations=[p[2] for p in peaks],
+      peak_memory=[p.memory for p in peaks],
+      peak_inputs=[p.inputs for p in peaks],
+      peak_activations=[p.activations for p in peaks],
       events=flat,
       recomputes=recomputes,
-      peak_gradients=[p[3] for p in peaks])
+      peak_gradients=[p.gradients for p in peaks],
+      peak_input_memory=[p.input_memory for p in peaks],
+      peak_backward_chunk=[p.backward_chunk for p in peaks])
