@@ -620,12 +620,12 @@ def _ProfileOutside(params: Any, path: str, batch_size: int, outputs: Any,
   return float(min(seconds)), peak
 
 
-def _SequentialStep(params: Any, path: str, batch_size: int, num_micro: int,
-                    num_warmup: int, num_runs: int) -> float:
+def _SequentialStep(params: Any, path: str, batch_size: int, num_warmup: int,
+                    num_runs: int) -> float:
   """Seconds of the task's real training step (fastest), on one device.
 
-  The pipeline as one stage of `num_micro` micro-batches without recompute,
-  on one device, `batch_size` examples: what Lingvo's trainer runs (input,
+  The pipeline as one stage of one micro-batch without recompute, on one
+  device, `batch_size` examples: what Lingvo's trainer runs (input,
   forward, loss, gradients, gradient clipping, the learner's update,
   counters).
 
@@ -633,7 +633,6 @@ def _SequentialStep(params: Any, path: str, batch_size: int, num_micro: int,
     params: The model params.
     path: The pipeline's path.
     batch_size: Examples.
-    num_micro: M.
     num_warmup: Untimed steps.
     num_runs: Timed steps.
 
@@ -645,9 +644,6 @@ def _SequentialStep(params: Any, path: str, batch_size: int, num_micro: int,
   params.input.batch_size = batch_size
   stack_p = _StackParams(params, path)
   _SequentialStack(stack_p, batch_size)
-  stack_p.num_micro_batches = num_micro
-  if stack_p.micro_batch_size is not None:
-    stack_p.micro_batch_size = batch_size // num_micro
   graph = tf.Graph()
   with graph.as_default(), _Cluster(1, 1):
     model = params.Instantiate()
@@ -721,27 +717,15 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
       for b in replica_sizes
   ]
   # What a real step costs beyond its parts, on the smallest replica batch:
-  # the real step with one and with two micro-batches (one device). Their
-  # difference beyond the cells' own costs is the engine's cost of a call
-  # (forward and backward of the whole stack); the rest of the first is the
-  # step's overhead (the learner's gradient norms and clipping, counters,
-  # the session call).
+  # the task's real training step with the pipeline on one device, beyond
+  # the cells' own costs (the learner's gradient norms and clipping,
+  # counters, the session call).
   smallest = replica_sizes[0]
   outside_s = planner.Affine.Fit(replica_sizes, [o[0] for o in outside])
-  rest_s = sum(c.update_s for c in profiles) + outside_s(smallest)
-
-  def Parts(num_micro):
-    n = smallest / num_micro
-    return num_micro * sum(c.forward_s(n) + c.backward_s(n)
-                           for c in profiles) + rest_s
-
-  sequential = {1: _SequentialStep(params, path, smallest, 1, warmups, runs)}
-  if smallest % 2 == 0:
-    sequential[2] = _SequentialStep(params, path, smallest, 2, warmups, runs)
-    call_s = max(sequential[2] - sequential[1] - (Parts(2) - Parts(1)), 0.0)
-  else:
-    call_s = 0.0
-  overhead_s = max(sequential[1] - Parts(1) - call_s, 0.0)
+  parts_s = (sum(c.forward_s(smallest) + c.backward_s(smallest) + c.update_s
+                 for c in profiles) + outside_s(smallest))
+  sequential_s = _SequentialStep(params, path, smallest, warmups, runs)
+  overhead_s = max(sequential_s - parts_s, 0.0)
   input_bytes = sum(float(np.asarray(x).nbytes)
                     for x in tf.nest.flatten(captured['inputs'])
                     if x is not None) / batch_size
@@ -750,12 +734,11 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
       input_bytes=input_bytes,
       batch_size=batch_size,
       loss_inside=loss_inside,
-      outside_s=planner.Affine.Fit(replica_sizes, [o[0] for o in outside]),
+      outside_s=outside_s,
       outside_bytes=planner.Affine.Fit(replica_sizes, [o[1] for o in outside]),
       model=config['model'],
       stack_path=path,
       step_overhead_s=overhead_s,
-      call_overhead_s=call_s,
       profiled_sizes=tuple(sizes),
       stack_settings=stack_settings)
   result = profile.ToJson()
@@ -766,10 +749,8 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
                      for y in tf.nest.flatten(outputs)],
       outside_measured={str(b): list(o) for b, o in zip(replica_sizes,
                                                         outside)},
-      sequential_step_s={f'b={smallest} M={m}': t
-                         for m, t in sequential.items()},
-      sequential_parts_s={f'b={smallest} M={m}': Parts(m)
-                          for m in sequential},
+      sequential_step_s={f'b={smallest}': sequential_s},
+      sequential_parts_s={f'b={smallest}': parts_s},
       profile_s=time.time() - start)
   return result
 

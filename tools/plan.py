@@ -691,6 +691,18 @@ def _LoadProfile() -> Tuple[planner.Profile, Dict[str, Any]]:
   except plan_worker.WorkerError as e:
     raise PlanError(str(e)) from e
   profile = planner.Profile.FromJson(raw)
+  calibration = planner.CalibrationCandidate(profile, FLAGS.num_devices)
+  if calibration is not None:
+    # What a chunk call costs in a pipeline beyond its cells: one pipelined
+    # step, measured.
+    print(f'Measuring a pipelined step ({calibration.Describe()}) ...',
+          flush=True)
+    _Measure(profile, calibration, FLAGS.num_devices)
+    profile = dataclasses.replace(
+        profile,
+        call_overhead_s=planner.CalibrateCallOverhead(
+            profile, calibration, calibration.measured_step_s))
+    raw['call_overhead_s'] = profile.call_overhead_s
   if FLAGS.num_devices > 1 and profile.batch_size % FLAGS.num_devices == 0:
     # What data parallelism costs beyond the model: its step and its peak,
     # measured.

@@ -21,11 +21,12 @@ per-chunk forward and backward times (each cell's time is affine in the
 micro-batch size, fitted on two profiled sizes), plus the work around the
 pipeline on the replica's batch (input, loss and its gradient), plus the
 optimizer update of the slowest device, plus what a real sequential step
-costs beyond those parts (the learner's gradient norms and clipping, the
-engine's calls). The model of memory is the table's
+costs beyond those parts (the learner's gradient norms and clipping), plus
+a cost per chunk call calibrated on one measured pipelined step
+(`CalibrateCallOverhead`). The model of memory is the table's
 (`simulate.Simulate`: per device, the chunk inputs it holds from forward to
 backward, the activations of running and kept calls, weight gradients from a
-chunk's first backward), plus per device its chunks' weights and optimizer
+chunk's first backward, a running backward's workspace), plus per device its chunks' weights and optimizer
 slots, plus the work around the pipeline on the first device (input and loss
 temporaries) and the merged output on the last, or, if more, what the
 learner's update holds (gradients scaled into new tensors). docs/planning.md
@@ -206,11 +207,13 @@ class Profile:
       as the real step of K = 1, R = N minus its prediction without it.
     replica_overhead_bytes: Bytes the same data-parallel step holds on a
       device beyond the model of it, measured the same way.
-    call_overhead_s: Seconds the engine adds to each forward + backward of
-      a call of the whole stack on one micro-batch (measured as the real
-      step with two micro-batches minus the one with one, beyond the cells'
-      own costs); shared among the cells in proportion to their fixed
-      costs (`CallOverheads`).
+    call_overhead_s: Seconds a call of a chunk (its forward and its
+      backward together) takes in a pipeline beyond its cells' profiled
+      times: the engine's nodes around the cells and the executor's work
+      for every node, which a device cannot hide while the other devices
+      keep the machine's cores busy. Half is added to each forward (and
+      recompute), half to each backward. Calibrated by `plan.py auto` on one
+      measured pipelined step (`CalibrateCallOverhead`).
     model: The model's name (for messages and override lines).
     stack_path: Where its GPipeSequentialLayer is, e.g. 'task.stack'.
     profiled_sizes: The micro-batch sizes the cells were timed on.
@@ -338,25 +341,6 @@ class Candidate:
     return dataclasses.asdict(self)
 
 
-def CallOverheads(profile: Profile) -> List[float]:
-  """Per cell, its share of the engine's cost of a forward + backward call.
-
-  `profile.call_overhead_s` shared in proportion to each cell's fixed
-  (per-call) forward + backward time, or equally if those are all 0.
-
-  Args:
-    profile: The model.
-
-  Returns:
-    Seconds per cell; half is added to its forward, half to its backward.
-  """
-  weights = [c.forward_s.fixed + c.backward_s.fixed for c in profile.cells]
-  total = sum(weights)
-  if total <= 0:
-    weights, total = [1.0] * profile.num_cells, float(profile.num_cells)
-  return [profile.call_overhead_s * w / total for w in weights]
-
-
 def MicroBatchSize(batch_size: int, replicas: int,
                    num_micro_batches: int) -> int:
   """Examples per micro-batch: B / (R M); ValueError unless it divides."""
@@ -366,6 +350,84 @@ def MicroBatchSize(batch_size: int, replicas: int,
         f'num_micro_batches={num_micro_batches}; use a divisor of '
         f'{batch_size // math.gcd(batch_size, replicas)} for M.')
   return batch_size // (replicas * num_micro_batches)
+
+
+CALIBRATION_MICRO_BATCHES = 4
+
+
+def CalibrationCandidate(profile: Profile,
+                         num_devices: int) -> Optional[Candidate]:
+  """The pipelined step to measure for `CalibrateCallOverhead`, or None.
+
+  The deepest pipeline N devices run (K the largest divisor of N up to the
+  number of cells; R = N / K), v = 1, GPipe, remat 'never', the fastest
+  partition, and M the largest of CALIBRATION_MICRO_BATCHES, ..., 2 that
+  divides the replica's batch (else 1): several calls per device, as most
+  candidates have. None if K would be 1 (no pipeline to calibrate on).
+
+  Args:
+    profile: The model.
+    num_devices: N.
+
+  Returns:
+    The predicted candidate, or None.
+  """
+  checks.CheckPositiveInt('num_devices', num_devices)
+  num_stages = max(k for k in _Divisors(num_devices) if k <= profile.num_cells)
+  if num_stages == 1:
+    return None
+  replicas = num_devices // num_stages
+  if profile.batch_size % replicas:
+    return None
+  replica_batch = profile.batch_size // replicas
+  num_micro = next((m for m in range(CALIBRATION_MICRO_BATCHES, 1, -1)
+                    if replica_batch % m == 0), 1)
+  return PlanPartition(profile, num_stages, num_micro, 'never', replicas,
+                       'gpipe', 1, None)
+
+
+def CalibrateCallOverhead(profile: Profile, candidate: Candidate,
+                          measured_step_s: float) -> float:
+  """The call overhead that makes `candidate`'s predicted step the measured one.
+
+  `Predict`'s step grows with `profile.call_overhead_s`; this finds the
+  value (by bisection, to a nanosecond) at which it equals
+  `measured_step_s`, or 0 if the prediction without it is already as long.
+
+  Args:
+    profile: The model (its call_overhead_s is ignored).
+    candidate: A predicted pipeline (K > 1) whose step was measured.
+    measured_step_s: Its measured step, in seconds.
+
+  Returns:
+    Seconds per chunk call (forward and backward).
+
+  Raises:
+    ValueError: if measured_step_s is not a finite number > 0.
+  """
+  if (isinstance(measured_step_s, bool) or
+      not isinstance(measured_step_s, (int, float)) or
+      not math.isfinite(measured_step_s) or measured_step_s <= 0):
+    raise ValueError(f'measured_step_s={measured_step_s!r} must be a finite '
+                     'number of seconds > 0.')
+
+  def Step(call_s: float) -> float:
+    return Predict(
+        dataclasses.replace(profile, call_overhead_s=call_s),
+        candidate.num_stages, candidate.num_micro_batches, candidate.remat,
+        candidate.partition, candidate.replicas, candidate.schedule,
+        candidate.virtual_stages).predicted_step_s
+
+  low, high = 0.0, measured_step_s
+  if Step(low) >= measured_step_s:
+    return 0.0
+  while high - low > 1e-9:
+    middle = (low + high) / 2
+    if Step(middle) < measured_step_s:
+      low = middle
+    else:
+      high = middle
+  return (low + high) / 2
 
 
 def _ChunkSums(values: Sequence[float], counts: Sequence[int]) -> List[float]:
@@ -391,8 +453,9 @@ def Predict(profile: Profile,
   Time: `simulate.Simulate` of the schedule table as dataflow (in the
   graph mode of Lingvo's trainer the loop engine runs one loop per device:
   neither engine runs ticks in lockstep) with per-chunk forward and backward
-  times on the micro-batch (each with its cells' shares of the engine's call
-  cost, `CallOverheads`), plus `profile.outside_s` on the replica's batch,
+  times on the micro-batch (its cells' times plus half of
+  `profile.call_overhead_s` each), plus `profile.outside_s` on the
+  replica's batch,
   plus the largest per-device sum of its cells' update times, plus
   `profile.step_overhead_s`, plus `profile.replica_overhead_s` if R > 1.
 
@@ -443,11 +506,11 @@ def Predict(profile: Profile,
                                  schedule=schedule_name,
                                  virtual_stages=virtual_stages)
   cells = profile.cells
-  calls = CallOverheads(profile)
-  forward = _ChunkSums(
-      [c.forward_s(micro) + e / 2 for c, e in zip(cells, calls)], counts)
-  backward = _ChunkSums(
-      [c.backward_s(micro) + e / 2 for c, e in zip(cells, calls)], counts)
+  half_call = profile.call_overhead_s / 2
+  forward = [t + half_call for t in _ChunkSums(
+      [c.forward_s(micro) for c in cells], counts)]
+  backward = [t + half_call for t in _ChunkSums(
+      [c.backward_s(micro) for c in cells], counts)]
   activations = _ChunkSums([c.activation_bytes * micro for c in cells],
                            counts)
   gradients = _ChunkSums([c.gradient_bytes for c in cells], counts)
@@ -577,9 +640,8 @@ def _CellCosts(profile: Profile, micro: int, remat: str) -> List[float]:
   """Per cell, the time of one call: forward, backward, recompute."""
   recompute = remat != 'never'
   return [
-      (c.forward_s(micro) + e / 2) * (2 if recompute else 1) +
-      c.backward_s(micro) + e / 2
-      for c, e in zip(profile.cells, CallOverheads(profile))
+      c.forward_s(micro) * (2 if recompute else 1) + c.backward_s(micro)
+      for c in profile.cells
   ]
 
 
