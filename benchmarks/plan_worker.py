@@ -160,34 +160,24 @@ def _Child(task: Any, path: str) -> Any:
   return layer
 
 
-def _TransferRecords(step_stats: Any
-                    ) -> Tuple[Dict[str, List[Tuple[int, int]]],
-                               Dict[str, List[Tuple[int, int]]]]:
-  """Allocation records that make logical devices hold what real ones would.
+def _ReceivedRecords(step_stats: Any) -> Dict[str, List[Tuple[int, int]]]:
+  """Allocation records for the buffers a device reads from another device.
 
   Logical CPU devices share memory: a tensor passed from one to another is
-  not copied, its allocation is recorded only on the device that made it,
-  and it stays allocated there until the other device's last reader ends.
-  A device with its own memory would send it and free its buffer after its
-  own last use, and the receiver would hold a copy until its own last use.
-  This finds the buffers (by address) that a device's nodes output or read
-  while another device's kernel allocated them. Per copy, it returns
-  +bytes at the copy's first use and -bytes at the end of its last. The
-  device that reads a buffer last holds its copy from the sender's last use
-  (or its own first use, if earlier) until the buffer's recorded release
-  (of the allocating node's releases of that many bytes, the one closest
-  to the end of that last reader), and the sender gets -bytes at the end
-  of its own last use and +bytes at that release, which moves its release
-  forward. A buffer is a device's from the node that allocated it (an
-  output of the size of one of the node's allocations) until the next such
-  node or its release: the allocator reuses addresses.
+  not copied, and its allocation is recorded only on the device that made
+  it. A device with its own memory would hold a copy from its first use
+  until its last. This finds, per device, the buffers (by address) that its
+  nodes output or read while another device's kernel allocated them, and
+  returns a record of each copy: +bytes at its first use, -bytes at the end
+  of its last. A buffer is another device's from the node that allocated it
+  (an output of the size of one of the node's allocations) until the next
+  such node or the buffer's release: the allocator reuses addresses.
 
   Args:
     step_stats: `RunMetadata.step_stats` of a FULL_TRACE step.
 
   Returns:
-    ({device name: [(micros, bytes), ...] of its copies}, {device name:
-    [(micros, bytes), ...] moving the releases of what it sent}).
+    {device name: [(micros, bytes), ...]}.
   """
   nodes = sorted(((node.all_start_micros, d.device, node)
                   for d in step_stats.dev_stats for node in d.node_stats),
@@ -197,7 +187,7 @@ def _TransferRecords(step_stats: Any
   # of that many bytes.
   buffers: List[Tuple[str, int, List[int]]] = []
   made: Dict[Tuple[str, str], List[Optional[int]]] = {}  # Per node: buffers.
-  # (device, buffer): [first start, last end] of the device's uses.
+  # (device, buffer): [first start, last end] of another device's uses.
   uses: Dict[Tuple[str, int], List[int]] = {}
   for start, device, node in nodes:
     end = start + node.all_end_rel_micros
@@ -228,29 +218,14 @@ def _TransferRecords(step_stats: Any
     used += outputs
     made[device, node.node_name] = outputs
     for buffer in used:
-      if buffer is not None:
+      if buffer is not None and buffers[buffer][0] != device:
         span = uses.setdefault((device, buffer), [start, end])
         span[0], span[1] = min(span[0], start), max(span[1], end)
-  # Per buffer, the other devices that use it: (device, first, last).
-  readers: Dict[int, List[Tuple[str, int, int]]] = {}
+  records: Dict[str, List[Tuple[int, int]]] = {}
   for (device, buffer), (first, last) in uses.items():
-    if device != buffers[buffer][0]:
-      readers.setdefault(buffer, []).append((device, first, last))
-  copies: Dict[str, List[Tuple[int, int]]] = {}
-  sent: Dict[str, List[Tuple[int, int]]] = {}
-  for buffer, spans in readers.items():
-    source, size, released = buffers[buffer]
-    spans.sort(key=lambda span: span[2])
-    device, first, last = spans.pop()  # The last reader.
-    own_last = uses[source, buffer][1]
-    release = min(released, key=lambda t: abs(t - last), default=own_last)
-    if release > own_last:
-      sent.setdefault(source, []).extend([(own_last, -size),
-                                          (release, size)])
-      first, last = min(first, own_last), release
-    for device, first, last in spans + [(device, first, last)]:
-      copies.setdefault(device, []).extend([(first, size), (last, -size)])
-  return copies, sent
+    size = buffers[buffer][1]
+    records.setdefault(device, []).extend([(first, size), (last, -size)])
+  return records
 
 
 def _Released(buffer: Tuple[str, int, List[int]], micros: int) -> bool:
@@ -260,7 +235,7 @@ def _Released(buffer: Tuple[str, int, List[int]], micros: int) -> bool:
   recorded.
 
   Args:
-    buffer: (device, bytes, release times) as `_TransferRecords` keeps it.
+    buffer: (device, bytes, release times) as `_ReceivedRecords` keeps it.
     micros: A node's start.
 
   Returns:
@@ -275,9 +250,8 @@ def DevicePeaks(step_stats: Any) -> Dict[str, Dict[str, float]]:
 
   Replays the allocation records of every node (allocations positive,
   releases negative) of each device in time order, with a copy of each
-  buffer the device reads from another and without what it sent after its
-  own last use (`_TransferRecords`), as a device with its own memory would
-  hold them. Only what the step allocates counts:
+  buffer the device reads from another (`_ReceivedRecords`), as a device
+  with its own memory would hold it. Only what the step allocates counts:
   variables and what earlier steps left are outside.
 
   Args:
@@ -295,19 +269,18 @@ def DevicePeaks(step_stats: Any) -> Dict[str, Dict[str, float]]:
         for record in memory.allocation_records:
           records.setdefault(device, []).append(
               (record.alloc_micros, record.alloc_bytes))
-  received, sent = _TransferRecords(step_stats)
+  received = _ReceivedRecords(step_stats)
   result = {}
   for device in set(records) | set(received):
     copies = received.get(device, [])
     # At equal times releases first: a buffer freed and another allocated in
     # the same microsecond do not overlap.
-    device_records = sorted(records.get(device, []) + copies +
-                            sent.get(device, []))
-    held = peak = 0
+    device_records = sorted(records.get(device, []) + copies)
+    held = peak = allocated = 0
     for _, size in device_records:
       held += size
       peak = max(peak, held)
-    allocated = sum(max(size, 0) for _, size in records.get(device, []) + copies)
+      allocated += max(size, 0)
     result[device] = {'peak': float(peak), 'allocated': float(allocated),
                       'end': float(held),
                       'received': float(sum(max(b, 0) for _, b in copies))}
