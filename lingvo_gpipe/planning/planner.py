@@ -26,11 +26,11 @@ a cost per chunk call calibrated on one measured pipelined step
 (`CalibrateCallOverhead`). The model of memory is the table's
 (`simulate.Simulate`: per device, the chunk inputs it holds from forward to
 backward, the activations of running and kept calls, weight gradients from a
-chunk's first backward, a running backward's workspace), plus per device its chunks' weights and optimizer
-slots, plus the work around the pipeline on the first device (input and loss
-temporaries) and the merged output on the last, or, if more, what the
-learner's update holds (gradients scaled into new tensors). docs/planning.md
-says where this is wrong and how far, measured.
+chunk's first backward, a running backward's workspace), plus per device its
+chunks' weights and optimizer slots, plus the work around the pipeline on the
+first device (input and loss temporaries) and the merged output on the last,
+or, if more, what the learner's update holds (gradients scaled into new
+tensors). docs/planning.md says where this is wrong and how far, measured.
 """
 
 import dataclasses
