@@ -199,8 +199,9 @@ class Profile:
       batch (on the replica's first device, where Lingvo runs it).
     step_overhead_s: Seconds of a real step beyond its parts (the cells'
       forward and backward, their updates, the work around the pipeline),
-      measured on the task's step with the pipeline sequential: the
-      learner's gradient norms, clipping and counters, the engine's calls.
+      measured on the task's step with the pipeline sequential on one
+      micro-batch: the learner's gradient norms, clipping and counters, the
+      session call.
     replica_overhead_s: Seconds a data-parallel step (R > 1) takes beyond
       the model of it: the gradients' aggregation across replicas, Lingvo's
       per-replica copies, the replicas' contention for the machine. Measured
