@@ -31,12 +31,13 @@ Subcommands (the first argument that is not a flag):
   auto       Chooses K, M, schedule, virtual stages, remat and partition of
              a registered model for N devices of --memory_per_device bytes
              (`planning.planner`): profiles every cell once (a worker
-             process, `benchmarks.plan_worker`), predicts the step time and
-             per-device peak of every configuration, prints them ranked,
-             why the winner won and the --model_params_override lines that
-             select it; --verify=V trains the V best for a few steps and
-             prints predicted against measured. Exit status 1 if nothing
-             fits.
+             process, `benchmarks.plan_worker`), measures a pipelined and a
+             data-parallel step to calibrate the cost of a call and of
+             replicas, predicts the step time and per-device peak of every
+             configuration, prints them ranked, why the winner won and the
+             --model_params_override lines that select it; --verify=V
+             trains the V best for a few steps and prints predicted against
+             measured. Exit status 1 if nothing fits.
 
 Pictures (--png_out) have one row per stage and a box per call phase
 (forward, recompute, backward), labelled with its micro-batch. Traces
@@ -208,7 +209,8 @@ flags.DEFINE_integer(
     'too.', lower_bound=1)
 flags.DEFINE_integer(
     'verify_workers', 1, 'auto: worker processes per verified configuration '
-    '(and for the data-parallel step it measures after profiling). The '
+    '(and for the two steps it measures after profiling: a pipelined one '
+    'for the cost of a call, the data-parallel one). The '
     'fastest step over all of them is compared and the largest peak: on a '
     '2-core machine the fastest step of one process moves by up to 2x from '
     'process to process on millisecond steps.', lower_bound=1)
