@@ -364,7 +364,8 @@ def CalibrationCandidate(profile: Profile,
   number of cells; R = N / K), v = 1, GPipe, remat 'never', the fastest
   partition, and M the largest of CALIBRATION_MICRO_BATCHES, ..., 2 that
   divides the replica's batch (else 1): several calls per device, as most
-  candidates have. None if K would be 1 (no pipeline to calibrate on).
+  candidates have. None if K would be 1 (no pipeline to calibrate on) or
+  the batch does not split into the R replicas.
 
   Args:
     profile: The model.
@@ -456,25 +457,24 @@ def Predict(profile: Profile,
   neither engine runs ticks in lockstep) with per-chunk forward and backward
   times on the micro-batch (its cells' times plus half of
   `profile.call_overhead_s` each), plus `profile.outside_s` on the
-  replica's batch,
-  plus the largest per-device sum of its cells' update times, plus
-  `profile.step_overhead_s`, plus `profile.replica_overhead_s` if R > 1.
+  replica's batch, plus the largest per-device sum of its cells' update
+  times, plus `profile.step_overhead_s`, plus `profile.replica_overhead_s`
+  if R > 1.
 
   Memory, per device k of one pipeline: its chunks' weights, optimizer slots
   and (from their first backward) weight gradients; the table's stage inputs
   and activations (`simulate.Simulate` with byte sizes: the input of chunk c
   is the output of chunk c - 1, or the pipeline's input for c = 0); the
-  workspace of the backward running at the device's worst tick (the largest
-  of its chunk's cells', in the form for a call that kept its activations
-  where the chunk has one) and the gradient of its outputs that it
-  receives; on
-  the first device, `profile.outside_bytes` (input and loss temporaries); on
-  the device of the last chunk, the merged output of the replica's batch. After
+  workspace of the backward running at the device's worst tick (the largest of
+  its chunk's cells', in the form for a call that kept its activations where
+  the chunk has one) and the gradient of its outputs that it receives; on the
+  first device, `profile.outside_bytes` (input and loss temporaries); on the
+  device of the last chunk, the merged output of the replica's batch. After
   the pipeline the learner scales every weight gradient into a new tensor
   (Lingvo's gradient norm clipping needs all of them first): the device then
-  holds its weights, slots, gradients and the largest of its cells'
-  gradients once more; where that exceeds the pipeline's peak, the
-  difference is the term 'update_copies'. With R > 1, every device adds
+  holds its weights, slots, gradients and the largest of its cells' gradients
+  once more; where that exceeds the pipeline's peak, the difference is the
+  term 'update_copies'. With R > 1, every device adds
   `profile.replica_overhead_bytes` (the term 'replicas').
 
   Args:
@@ -543,23 +543,26 @@ def Predict(profile: Profile,
   device_peaks, device_terms = [], []
   for k in range(num_stages):
     own = range(k, table.num_chunks, num_stages)
+    # The table's peak: inputs, gradients, the running backward's transient
+    # bytes and, the rest, activations.
     running = sim.peak_backward_chunk[k]
+    running_workspace, received = ((0.0, 0.0) if running is None else
+                                   (workspace[running],
+                                    output_gradients[running]))
     terms = {
         'weights': sum(weights[c] for c in own),
         'optimizer_slots': sum(slots[c] for c in own),
         'gradients': sim.peak_gradients[k],
         'stage_inputs': sim.peak_input_memory[k],
-        'activations': 0.0,
-        'backward_workspace': 0.0 if running is None else workspace[running],
-        'output_gradient': (0.0 if running is None else
-                            output_gradients[running]),
+        'activations': (sim.peak_memory[k] - sim.peak_gradients[k] -
+                        sim.peak_input_memory[k] - running_workspace -
+                        received),
+        'backward_workspace': running_workspace,
+        'output_gradient': received,
         'outside_pipeline': (profile.outside_bytes(replica_batch)
                              if k == 0 else 0.0),
         'merged_output': merged_output if k == last_device else 0.0,
     }
-    terms['activations'] = (
-        sim.peak_memory[k] - sim.peak_gradients[k] - terms['stage_inputs'] -
-        terms['backward_workspace'] - terms['output_gradient'])
     own_cells = [cell for c in own
                  for cell in cells[ends[c] - counts[c]:ends[c]]]
     update_peak = (terms['weights'] + terms['optimizer_slots'] +

@@ -204,7 +204,9 @@ def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
         if kept:
           held_activations -= 1
           size -= activations[c]
-      if candidate[:5] > peak[:5]:  # Of equal peaks, the one holding most.
+      # Of equal peaks, the one holding the most (every field but the
+      # running chunk, which has no order).
+      if candidate[:-1] > peak[:-1]:
         peak = candidate
     peaks.append(peak)
   return peaks
