@@ -432,7 +432,9 @@ def testErrorsNameTheParameter(kwargs, message):
 
 def testDuplicateLayerNames():
   layers = [keras.layers.Dense(DIM, name='same') for _ in range(2)]
-  with pytest.raises(ValueError, match=r"repeated: \['same'\]"):
+  with pytest.raises(ValueError, match=r"^layers: the cell names "
+                     r"\['same', 'same'\] must be unique .* repeated: "
+                     r"\['same'\]"):
     GPipeSequential(layers)
 
 

@@ -338,7 +338,8 @@ def testPartitionPlanIsLoggedOnce(partition, num_stages, logged_at_init,
 @pytest.mark.parametrize('kwargs,message', [
     (dict(cell_tpl=[]), 'cell_tpl is empty'),
     (dict(cell_tpl=test_util.FCCells(2) + test_util.FCCells(1)),
-     r"names \['fc0', 'fc1', 'fc0'\] must be unique.*repeated: \['fc0'\]"),
+     r"^cell_tpl: the cell names \['fc0', 'fc1', 'fc0'\] must be unique"
+     r".*repeated: \['fc0'\]"),
     (dict(num_stages=5), r'num_stages=5 must be an int in \[1, 4\]'),
     (dict(num_stages=0), r'num_stages=0 must be an int in \[1, 4\]'),
     (dict(partition=[1, 2]), r'partition=\[1, 2\] sums to 3 but there are 4'),
@@ -374,7 +375,8 @@ def testPartitionPlanIsLoggedOnce(partition, num_stages, logged_at_init,
     (dict(cell_tpl=test_util.FCCells(1) + [
         test_util.layers.FCLayer.Params().Set(name='', input_dim=8,
                                               output_dim=8)]),
-     r"names \['fc0', ''\] must be unique and non-empty; repeated: \[\]"),
+     r"^cell_tpl: the cell names \['fc0', ''\] must be unique and "
+     r"non-empty; repeated: \[\]"),
     # A string of K characters must not pass as K devices.
     (dict(num_stages=4, devices='/gpu'),
      "devices='/gpu' must be a list of 4 device strings"),

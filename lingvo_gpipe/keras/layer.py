@@ -149,7 +149,7 @@ class GPipeSequential(keras.layers.Layer):
     shape = config.CheckShape(
         [layer.name for layer in layers], num_stages, virtual_stages,
         partition, num_micro_batches, micro_batch_size, 0, remat, engine,
-        schedule)
+        schedule, cells_param='layers')
     if schedule_lib.CheckSchedule(schedule).loss_inside:
       raise ValueError(
           f'schedule={schedule!r} computes the loss inside the pipeline, '

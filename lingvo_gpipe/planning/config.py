@@ -127,7 +127,8 @@ def CheckShape(cell_names: Sequence[str],
                remat: str = 'always',
                engine: str = 'auto',
                schedule_name: str = 'gpipe',
-               skips: Sequence[Tuple[str, Optional[str]]] = ()) -> Shape:
+               skips: Sequence[Tuple[str, Optional[str]]] = (),
+               cells_param: str = 'cell_tpl') -> Shape:
   """Checks a pipeline's parameters; returns how its cells are cut.
 
   Args:
@@ -142,6 +143,8 @@ def CheckShape(cell_names: Sequence[str],
     engine: 'auto' or one of `schedule.ENGINES`.
     schedule_name: A key of `schedule.SCHEDULES`.
     skips: (from_cell, to_cell or None) names (`CheckSkips`).
+    cells_param: The front end's name of the cells' parameter, named in the
+      errors about cell names (Lingvo's 'cell_tpl', Keras' 'layers').
 
   Returns:
     The `Shape`.
@@ -150,12 +153,12 @@ def CheckShape(cell_names: Sequence[str],
     ValueError: naming the parameter, its value and what would be valid.
   """
   if not cell_names:
-    raise ValueError('cell_tpl is empty; give at least one cell.')
+    raise ValueError(f'{cells_param} is empty; give at least one cell.')
   names = list(cell_names)
   duplicates = sorted({n for n in names if names.count(n) > 1})
   if duplicates or not all(names):
-    raise ValueError(f'cell names {names} must be unique and non-empty; '
-                     f'repeated: {duplicates}.')
+    raise ValueError(f'{cells_param}: the cell names {names} must be unique '
+                     f'and non-empty; repeated: {duplicates}.')
   num_cells = len(names)
   checks.CheckPositiveInt('virtual_stages', virtual_stages)
   if isinstance(partition, str):
