@@ -8,9 +8,8 @@ micro-batches and a remat mode, compiled without XLA ('function') or with it
 (`python -m benchmarks.keras_bench CONFIG`), which times a first step, one
 more warm-up step and `steps` steps, each after
 `reset_memory_stats('CPU:0')`, with TensorFlow's default threads; the peak is
-`get_memory_info('CPU:0')['peak']` (oneDNN's allocator, TensorFlow's default,
-is needed: TF_ENABLE_ONEDNN_OPTS=0 is removed for the workers). Neither side
-imports Lingvo.
+`get_memory_info('CPU:0')['peak']`, read through `host` (the workers run with
+an allocator that keeps it). Neither side imports Lingvo.
 
     configs = Configs(num_layers=16, dim=512, batch=1024, steps=10,
                       memory_micro_batches=4, modes=['function', 'xla'])
@@ -26,6 +25,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from benchmarks import host
 from benchmarks import runner as runner_lib
 
 MODES = ('function', 'xla')
@@ -84,13 +84,6 @@ def Configs(num_layers: int, dim: int, batch: int, steps: int,
   return configs
 
 
-def _WorkerEnv() -> Dict[str, str]:
-  env = dict(os.environ)
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  env.pop('TF_ENABLE_ONEDNN_OPTS', None)  # The peak needs oneDNN's allocator.
-  return env
-
-
 def RunWorker(config: Dict[str, Any]) -> Dict[str, Any]:
   """Measures `config` in a fresh `python -m benchmarks.keras_bench` process.
 
@@ -99,7 +92,7 @@ def RunWorker(config: Dict[str, Any]) -> Dict[str, Any]:
   """
   proc = subprocess.run(
       [sys.executable, '-m', 'benchmarks.keras_bench', json.dumps(config)],
-      cwd=_ROOT, env=_WorkerEnv(), capture_output=True, text=True,
+      cwd=_ROOT, env=host.WorkerEnvironment(), capture_output=True, text=True,
       check=False)
   for line in proc.stdout.splitlines():
     if line.startswith(runner_lib.RESULT_PREFIX):
@@ -221,17 +214,11 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
     Step()
   times, peaks = [], []
   for _ in range(config['steps']):
-    try:
-      tf.config.experimental.reset_memory_stats('CPU:0')
-    except ValueError as e:
-      raise runner_lib.BenchmarkError(
-          f"{e}: memory statistics need oneDNN's allocator; do not set "
-          'TF_ENABLE_ONEDNN_OPTS=0.') from e
+    host.ResetMemoryStats()
     start = time.perf_counter()
     Step()
     times.append(time.perf_counter() - start)
-    peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'] /
-                 _MIB)
+    peaks.append(host.PeakBytes() / _MIB)
   return {
       'step_s': statistics.median(times),
       'step_times_s': times,

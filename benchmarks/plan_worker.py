@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from absl import app
 
+from benchmarks import host
 from benchmarks import runner
 
 ERROR_PREFIX = 'benchmarks.plan_worker: error: '
@@ -389,17 +390,11 @@ def Measure(config: Dict[str, Any]) -> Dict[str, Any]:
       sess.run(train_op)
     times, peaks, resident = [], [], []
     for _ in range(config.get('steps', 5)):
-      try:
-        tf.config.experimental.reset_memory_stats('CPU:0')
-        resident.append(
-            tf.config.experimental.get_memory_info('CPU:0')['current'])
-      except ValueError as e:
-        raise WorkerError(f"{e}: memory statistics need oneDNN's allocator; "
-                          'do not set TF_ENABLE_ONEDNN_OPTS=0.') from e
+      resident.append(host.ResetMemoryStats())
       start = time.perf_counter()
       sess.run(train_op)
       times.append(time.perf_counter() - start)
-      peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'])
+      peaks.append(host.PeakBytes())
     run_metadata = tf.compat.v1.RunMetadata()
     sess.run(train_op,
              options=tf.compat.v1.RunOptions(
@@ -737,8 +732,8 @@ def RunWorker(config: Dict[str, Any], root: str,
   Args:
     config: The configuration (see `Profile` and `Measure`).
     root: The repository root (the worker's working directory).
-    env: The environment (default: this one, with TF_CPP_MIN_LOG_LEVEL=2 and
-      without TF_ENABLE_ONEDNN_OPTS=0, which would disable memory statistics).
+    env: The environment (default: `host.WorkerEnvironment()`, whose
+      allocator keeps the statistics the peaks are read from).
 
   Returns:
     The worker's JSON result.
@@ -746,13 +741,9 @@ def RunWorker(config: Dict[str, Any], root: str,
   Raises:
     WorkerError: with the worker's one-line error (or last line) if it fails.
   """
-  import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   if env is None:
-    env = dict(os.environ)
-    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-    if env.get('TF_ENABLE_ONEDNN_OPTS') == '0':
-      del env['TF_ENABLE_ONEDNN_OPTS']
+    env = host.WorkerEnvironment()
   command = [sys.executable, '-m', 'benchmarks.plan_worker',
              json.dumps(config)]
   proc = subprocess.run(command, cwd=root, env=env, capture_output=True,

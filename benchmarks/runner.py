@@ -17,6 +17,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from benchmarks import host
+
 # The worker prints its numbers on one line after this prefix, or one line
 # after ERROR_PREFIX.
 RESULT_PREFIX = 'BENCHMARK_RESULT '
@@ -36,10 +38,14 @@ def WorkerMain(argv: Sequence[str],
                error_prefix: str = ERROR_PREFIX) -> int:
   """A worker's main: measures the configuration argv[1], prints the result.
 
+  The result also says what its figures depend on: `result['host']` is
+  `host.Describe()` of the measuring process.
+
   Args:
     argv: [program, configuration JSON].
     measure: Returns the JSON-ready numbers of a configuration.
-    errors: Exception types printed as one error line (exit status 2).
+    errors: Exception types printed as one error line (exit status 2), besides
+      `host.MemoryStatsError`.
     error_prefix: What the error line starts with.
 
   Returns:
@@ -50,7 +56,8 @@ def WorkerMain(argv: Sequence[str],
       raise BenchmarkError(
           f'takes one JSON configuration, got {list(argv[1:])}.')
     result = measure(json.loads(argv[1]))
-  except errors as e:
+    result['host'] = host.Describe()
+  except errors + (host.MemoryStatsError,) as e:
     print(f'{error_prefix}{" ".join(str(e).split())}', file=sys.stderr)
     return 2
   print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -186,6 +193,7 @@ class Runner:
   Attributes:
     parallel: How many workers run at once.
     num_runs: Workers run so far.
+    host: `host.Describe()` of the first worker that measured (None before).
   """
 
   def __init__(self, parallel: int,
@@ -194,20 +202,16 @@ class Runner:
 
     Args:
       parallel: How many workers run at once (1 for meaningful timings).
-      report: Called with a line of progress after each measurement (and
-        with notes about the environment); None: silent.
+      report: Called with a line of progress after each measurement; None:
+        silent.
     """
     self.parallel = parallel
     self.num_runs = 0
+    self.host = None
     self._report = report or (lambda line: None)
     self._slots = threading.Semaphore(parallel)
     self._lock = threading.Lock()
-    self._env = dict(os.environ)
-    self._env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-    if self._env.get('TF_ENABLE_ONEDNN_OPTS') == '0':
-      self._report('note: ignoring TF_ENABLE_ONEDNN_OPTS=0; memory '
-                   "statistics need oneDNN's allocator.")
-      del self._env['TF_ENABLE_ONEDNN_OPTS']
+    self._env = host.WorkerEnvironment()
 
   def Run(self, config: Dict[str, Any]) -> Dict[str, Any]:
     """Measures `config` in a worker process.
@@ -232,6 +236,8 @@ class Runner:
     for line in proc.stdout.splitlines():
       if line.startswith(RESULT_PREFIX):
         result = json.loads(line[len(RESULT_PREFIX):])
+        with self._lock:
+          self.host = self.host or result['host']
         self._report(f'  {Name(config)}, {config["num_layers"]} layers: peak '
                      f'{result["peak_mib"]:.1f} MiB, step '
                      f'{result["step_s"]:.2f} s')

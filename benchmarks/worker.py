@@ -7,9 +7,8 @@ measured steps, each after `reset_memory_stats('CPU:0')`, and prints one line
 `runner.RESULT_PREFIX + JSON` (see `MeasureStep`), or one error line after
 `runner.ERROR_PREFIX` with exit status 2.
 
-The peak is `tf.config.experimental.get_memory_info('CPU:0')['peak']`. These
-statistics need oneDNN's allocator (TensorFlow's default on x86), which the
-runner makes sure of.
+The peak is `tf.config.experimental.get_memory_info('CPU:0')['peak']`, read
+through `host` (the runner gives the worker an allocator that keeps it).
 """
 
 import statistics
@@ -18,6 +17,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 
 from absl import app
 
+from benchmarks import host
 from benchmarks import models
 from benchmarks import runner
 
@@ -38,9 +38,8 @@ def _TimeSteps(run_step: Callable[[], None],
     warmup_s (the first step).
 
   Raises:
-    runner.BenchmarkError: if the allocator keeps no statistics.
+    host.MemoryStatsError: if the allocator keeps no statistics.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   start = time.time()
   run_step()
   warmup_s = time.time() - start
@@ -48,18 +47,11 @@ def _TimeSteps(run_step: Callable[[], None],
     run_step()
   peaks, resident, times = [], [], []
   for _ in range(config['steps']):
-    try:
-      tf.config.experimental.reset_memory_stats('CPU:0')
-      resident.append(
-          tf.config.experimental.get_memory_info('CPU:0')['current'])
-    except ValueError as e:
-      raise runner.BenchmarkError(
-          f'{e}: memory statistics need oneDNN\'s allocator; do not set '
-          'TF_ENABLE_ONEDNN_OPTS=0.') from e
+    resident.append(host.ResetMemoryStats())
     start = time.time()
     run_step()
     times.append(time.time() - start)
-    peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'])
+    peaks.append(host.PeakBytes())
   return {
       'peak_mib': max(peaks) / _MIB,
       'peaks_mib': [p / _MIB for p in peaks],
@@ -172,7 +164,7 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
     tf_version, lingvo_version.
 
   Raises:
-    runner.BenchmarkError: if the allocator keeps no statistics.
+    host.MemoryStatsError: if the allocator keeps no statistics.
   """
   # pylint: disable=g-import-not-at-top
   from importlib import metadata

@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+from benchmarks import host
 from benchmarks import memory
 import tool_util
 
@@ -88,6 +89,12 @@ def testMemoryEndToEnd(runs):
     numbers = json.load(f)
   assert numbers['subcommand'] == 'memory'
   assert numbers['tf_version'].startswith('2.')
+  # What the figures depend on, as the workers saw it: this process runs with
+  # the workers' environment (conftest.py), so it sees the same oneDNN.
+  assert numbers['host'] == {
+      'cpu': host.CpuModel(), 'cores': os.cpu_count(),
+      'onednn': host.OneDnnEnabled(), 'allocator': 'bfc'}
+  assert f'Measured on {host.Summary(numbers["host"])}.' in stdout
   assert numbers['flags']['num_layers'] == 4
   rows = {row['name']: row for row in numbers['rows']}
   assert list(rows) == [

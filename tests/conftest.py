@@ -1,8 +1,16 @@
-"""Test set-up shared by every test: flags, quiet logs, four CPU devices."""
+"""Test set-up shared by every test: flags, quiet logs, four CPU devices.
+
+TensorFlow starts with the environment of the measuring tools
+(`host.WorkerEnvironment`: quiet logs and an allocator that keeps peak
+statistics whether or not oneDNN is on), and the tests' subprocesses inherit
+it; TF_ENABLE_ONEDNN_OPTS stays as the caller set it.
+"""
 
 import os
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from benchmarks import host
+
+os.environ.update(host.WorkerEnvironment())
 
 from absl import flags  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top

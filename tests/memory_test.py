@@ -6,9 +6,8 @@ its recomputes start only after all its forward calls, and its backward calls
 so that one micro-batch's activations live at once. The order is read from
 RunMetadata step stats of a real step, and where the step stats alone would
 depend on the timing of threads, from the dependencies of the graph that ran;
-the saving from the CPU allocator's peak
-(`tf.config.experimental.get_memory_info`, which needs oneDNN's allocator,
-TensorFlow's default).
+the saving from the CPU allocator's peak (`benchmarks.host`: conftest.py
+starts TensorFlow with an allocator that keeps it on every host).
 """
 
 import re
@@ -18,6 +17,7 @@ import pytest
 from lingvo import compat as tf
 from tensorflow.core.framework import step_stats_pb2
 
+from benchmarks import host
 from lingvo_gpipe.engine import trace
 from lingvo_gpipe.planning import schedule
 import engine_util
@@ -221,11 +221,9 @@ def _PeakMiB(engine, remat):
     return tape.gradient(loss, pipe.vars.Flatten())
 
   Step()  # Traced and run once: only the step itself is measured.
-  tf.config.experimental.reset_memory_stats('CPU:0')
-  before = tf.config.experimental.get_memory_info('CPU:0')['current']
+  before = host.ResetMemoryStats()
   Step()
-  return (tf.config.experimental.get_memory_info('CPU:0')['peak'] -
-          before) / 2**20
+  return (host.PeakBytes() - before) / 2**20
 
 
 def testRematHalvesPeakMemory():

@@ -60,9 +60,11 @@ repository's `benchmarks` package each:
 Every configuration runs in a fresh worker process (`python -m
 benchmarks.worker`), so allocator peaks never leak from one configuration into
 the next. The peak is `tf.config.experimental.get_memory_info('CPU:0')` after
-`reset_memory_stats`, measured on the steps after a warm-up step. These
-statistics need oneDNN's allocator (TensorFlow's default on x86): a
-TF_ENABLE_ONEDNN_OPTS=0 in the environment is removed for the workers.
+`reset_memory_stats`, measured on the steps after a warm-up step; the workers
+run with TF_CPU_ALLOCATOR_USE_BFC=true, whose allocator keeps these statistics
+on every host, with oneDNN on or off (`benchmarks/host.py`). Each run prints
+and records (JSON key 'host') the CPU model and whether oneDNN was on: step
+times depend on both.
 Timings on a shared machine are noisy: repetitions (--repeats) run
 interleaved and the median is reported.
 
@@ -82,6 +84,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
+from benchmarks import host
 from benchmarks import keras_bench
 from benchmarks import memory
 from benchmarks import runner as runner_lib
@@ -261,6 +264,7 @@ def Memory(args: Sequence[str]) -> Dict[str, Any]:
   first = rows[0]['runs'][0]
   numbers = {
       'subcommand': 'memory',
+      'host': _Host(first),
       'flags': {
           name: FLAGS[name].value for name in (
               'num_layers', 'dim', 'batch', 'micro_batches', 'remat',
@@ -289,6 +293,12 @@ def Memory(args: Sequence[str]) -> Dict[str, Any]:
   numbers['total_s'] = time.time() - start
   print(f'{runner.num_runs} subprocesses, {numbers["total_s"]:.0f} s.')
   return numbers
+
+
+def _Host(result: Dict[str, Any]) -> Dict[str, Any]:
+  """Prints what a worker's `result` was measured on; returns its host dict."""
+  print(f'Measured on {host.Summary(result["host"])}.')
+  return result['host']
 
 
 def _SubcommandFlag(name: str, defaults: Dict[str, Any]) -> Any:
@@ -335,6 +345,7 @@ def Speed(args: Sequence[str]) -> Dict[str, Any]:
   first = plain['runs'][0]
   numbers = {
       'subcommand': 'speed',
+      'host': _Host(first),
       'flags': {
           'num_layers': num_layers, 'dim': FLAGS.dim, 'batch': batch,
           'steps': steps, 'warmups': speed.WARMUPS, 'repeats': repeats,
@@ -401,6 +412,7 @@ def Scale(args: Sequence[str]) -> Dict[str, Any]:
   first = measured[0]['runs'][0]
   numbers = {
       'subcommand': 'scale',
+      'host': _Host(first),
       'flags': {
           'num_layers': num_layers, 'dim': dim, 'batch': batch,
           'steps': steps, 'warmups': scale.WARMUPS, 'repeats': repeats,
@@ -453,6 +465,7 @@ def Keras(args: Sequence[str]) -> Dict[str, Any]:
   first = rows[0]['runs'][0]
   numbers = {
       'subcommand': 'keras',
+      'host': _Host(first),
       'flags': {
           'num_layers': num_layers, 'dim': dim, 'batch': batch,
           'steps': steps, 'warmups': keras_bench.WARMUPS, 'repeats': repeats,
@@ -502,6 +515,7 @@ def Schedules(args: Sequence[str]) -> Dict[str, Any]:
   print(f'{runner.num_runs} subprocesses, {total:.0f} s.')
   return {
       'subcommand': 'schedules',
+      'host': _Host(measured[0]['runs'][0]),
       'repeats': repeats,
       'rows': rows,
       'measured': measured,

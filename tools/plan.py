@@ -69,6 +69,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
+from benchmarks import host
 from benchmarks import plan_worker
 from benchmarks import traced_step
 from lingvo_gpipe.planning import partition as partition_lib
@@ -859,6 +860,8 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
         f'{planner.FormatBytes(planned)}: --memory_margin='
         f'{FLAGS.memory_margin:g}); cells profiled on micro-batches of '
         f'{list(profile.profiled_sizes)}.')
+  if raw.get('host'):
+    print(f'Profiled on {host.Summary(raw["host"])}.')
   try:
     result = planner.Search(profile, num_devices, planned, FLAGS.schedules,
                             FLAGS.remat_modes, FLAGS.max_micro_batches,
@@ -875,6 +878,7 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
       'memory_per_device': budget,
       'memory_margin': FLAGS.memory_margin,
       'batch_size': profile.batch_size,
+      'host': raw.get('host'),
       'candidates': result.candidates,
       'chosen': result.chosen,
       'skipped': result.skipped,
