@@ -94,6 +94,12 @@ class SplitCall:
   again; nor are those with a static value (shapes, reduction axes), which
   the backward gets as constants.
 
+  The backward function returns its gradients flat: a sparse gradient (an
+  embedding lookup's `tf.IndexedSlices`) as its component tensors (values,
+  indices, dense shape), and nothing for an argument the outputs do not
+  depend on. `Backward` packs them back into one gradient per argument, as
+  `Stage.backward` returns them.
+
   It uses a private TensorFlow API (`ConcreteFunction.
   _delayed_rewrite_functions.forward_backward()`, TF 2.21); without it the
   constructor raises, and only remat='always' runs in the loop engine.
@@ -163,7 +169,7 @@ class SplitCall:
 
   def Backward(self, d_outputs: Sequence[Optional[tf.Tensor]],
                args: Sequence[tf.Tensor],
-               stash: Sequence[tf.Tensor]) -> List[Optional[tf.Tensor]]:
+               stash: Sequence[tf.Tensor]) -> List[Any]:
     """Gradients of the call's arguments (None where not differentiable).
 
     Args:
@@ -173,7 +179,9 @@ class SplitCall:
       stash: What `Forward` returned to stash.
 
     Returns:
-      One gradient per argument.
+      One gradient per argument: a tensor, or a `tf.IndexedSlices` where
+      TensorFlow's gradient is sparse; zeros for a differentiable argument
+      the outputs do not depend on, None for the others.
     """
     inputs = list(args) + self._captures
     stashed = iter(stash)
@@ -187,9 +195,16 @@ class SplitCall:
         intermediates.append(tf.constant(source))
     grads = [d for d, differentiable in zip(d_outputs, self._output_grads)
              if differentiable]
-    results = iter(self._backward.call_flat(*grads, *intermediates))
-    return [None if g is None else next(results)
-            for g in self._grads_of_args][:len(args)]
+    flat = iter(self._backward.call_flat(*grads, *intermediates))
+    results = []
+    for arg, g in zip(args, self._grads_of_args):
+      if g is None:
+        results.append(tf.zeros_like(arg) if IsDifferentiable(arg) else None)
+      else:  # A tensor, or the components of a composite (IndexedSlices).
+        parts = [next(flat) for _ in tf.nest.flatten(g, expand_composites=True)]
+        results.append(tf.nest.pack_sequence_as(g, parts,
+                                                expand_composites=True))
+    return results
 
 
 class Chain:
