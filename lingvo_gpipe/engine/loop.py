@@ -48,7 +48,14 @@ Two ways to run the same ticks, picked per step (`_ChannelDevices`):
   its slowest device is done.
 
 Weight gradients are summed densely: an embedding's sparse (IndexedSlices)
-gradient becomes a dense tensor of the table's shape.
+gradient, from a recomputing or a kept call's backward alike, becomes a dense
+tensor of the table's shape (`_Dense`) before it is added. The sums are loop
+variables, whose shapes cannot change from tick to tick (a sparse sum would
+grow by a micro-batch's looked-up rows at every backward, and XLA needs static
+shapes), and a dense sum holds one table whatever M is. The unrolled engine
+keeps the sum sparse (`recompute.py`), so an optimizer updates only the rows
+looked up; after this engine it updates every row (the same values: the
+others get zeros).
 
     outputs, states = Run(chunks, thetas, inputs, states, table=table,
                           batch_dim=0, remat='always', first_id=id0,
@@ -123,7 +130,25 @@ def _Buffer(spec: tf.TensorSpec, num_slots: int) -> tf.TensorArray:
                         element_shape=spec.shape, clear_after_read=False)
 
 
-def _Dense(t: Any) -> Optional[tf.Tensor]:
+def _Dense(t: Any, like: tf.Tensor) -> Optional[tf.Tensor]:
+  """The gradient `t` of `like` as a dense tensor (None stays None).
+
+  A sparse gradient (`tf.IndexedSlices`, an embedding lookup's) becomes a
+  tensor of `like`'s shape, its rows added where its indices say, as
+  `tf.convert_to_tensor` does; the number of rows is `like`'s static one
+  where known, a constant, as XLA needs (the gradient's own dense shape is
+  the output of a backward call, which XLA does not resolve to one).
+
+  Args:
+    t: A tensor, a `tf.IndexedSlices` or None.
+    like: The tensor `t` is the gradient of.
+
+  Returns:
+    A tensor, or None.
+  """
+  if (isinstance(t, tf.IndexedSlices) and like.shape.rank and
+      like.shape[0] is not None):
+    return tf.math.unsorted_segment_sum(t.values, t.indices, like.shape[0])
   return None if t is None else tf.convert_to_tensor(t)
 
 
@@ -729,9 +754,10 @@ class _Step:
       grads = chunk.stage.backward(chunk.theta, x, state, args[-1],
                                    d_y + d_state)
     n_theta, n_x = len(chunk.theta), len(x)
-    d_theta = [_Dense(g) for g in grads[:n_theta]]
-    d_x = [_Dense(g) for g in grads[n_theta:n_theta + n_x]]
-    d_state = [_Dense(g) for g in grads[n_theta + n_x:len(args) - 1]]
+    dense = [_Dense(g, a) for g, a in zip(grads, args)]
+    d_theta = dense[:n_theta]
+    d_x = dense[n_theta:n_theta + n_x]
+    d_state = dense[n_theta + n_x:len(args) - 1]
     # With the loss outside, the state gradient flows m + 1 -> m.
     new_d_state = (None if self.loss_inside else
                    [g for g in d_state if g is not None])
