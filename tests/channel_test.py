@@ -199,5 +199,7 @@ def testChannelOrderRejectsReorderedMicroBatches():
       [schedule.Action(F, 1, 1), schedule.Action(F, 1, 0),
        schedule.Action(B, 1, 0), schedule.Action(B, 1, 1)],
   ]
-  table = schedule.TableFromOrders('custom', 2, 1, 2, True, orders)
+  table = schedule.TableFromOrders('custom', num_devices=2, num_micro_batches=2,
+                                   virtual_stages=1, loss_outside=True,
+                                   orders=orders)
   assert not loop.ChannelOrderHolds(table, loop.Edges(2, []))

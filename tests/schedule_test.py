@@ -140,14 +140,17 @@ def testValidatorAllowsEarlyBackwardWithTheLossInside():
 def testTableFromOrdersPlacesEachActionAtItsEarliestTick():
   orders = [[A(F, 0, 0), A(F, 0, 1), A(B, 0, 0), A(B, 0, 1)],
             [A(F, 1, 0), A(B, 1, 0), A(F, 1, 1), A(B, 1, 1)]]
-  table = schedule.TableFromOrders('1f1b-like', 2, 1, 2, False, orders)
+  table = schedule.TableFromOrders('1f1b-like', num_devices=2,
+                                   num_micro_batches=2, virtual_stages=1,
+                                   loss_outside=False, orders=orders)
   assert str(table).splitlines()[1:] == [
       'device 0: F0.0 F0.1    - B0.0    - B0.1',
       'device 1:    - F1.0 B1.0 F1.1 B1.1    -']
   with pytest.raises(schedule.TableError, match='orders deadlock'):
-    schedule.TableFromOrders('bad', 2, 1, 2, False,
-                             [[A(B, 0, 0), A(F, 0, 0)] + orders[0][1::2],
-                              orders[1]])
+    schedule.TableFromOrders(
+        'bad', num_devices=2, num_micro_batches=2, virtual_stages=1,
+        loss_outside=False,
+        orders=[[A(B, 0, 0), A(F, 0, 0)] + orders[0][1::2], orders[1]])
 
 
 def testPhaseRunsRejectsMixedTicks():

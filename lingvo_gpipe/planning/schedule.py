@@ -248,8 +248,8 @@ def Validate(table: Table) -> Table:
   return table
 
 
-def TableFromOrders(schedule: str, num_devices: int, virtual_stages: int,
-                    num_micro_batches: int, loss_outside: bool,
+def TableFromOrders(schedule: str, num_devices: int, num_micro_batches: int,
+                    virtual_stages: int, loss_outside: bool,
                     orders: Sequence[Sequence[Action]]) -> Table:
   """Places each device's actions, in its order, on the earliest tick.
 
@@ -261,8 +261,8 @@ def TableFromOrders(schedule: str, num_devices: int, virtual_stages: int,
   Args:
     schedule: The schedule's name.
     num_devices: K.
-    virtual_stages: v.
     num_micro_batches: M.
+    virtual_stages: v.
     loss_outside: See `Table`.
     orders: Per device, its actions in the order it runs them; together
       every action of the step once.
@@ -383,8 +383,9 @@ def GPipeTable(num_devices: int, num_micro_batches: int,
   checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
   checks.CheckPositiveInt('virtual_stages', virtual_stages)
   return TableFromOrders(
-      'gpipe', num_devices, virtual_stages, num_micro_batches, True,
-      _GPipeOrders(num_devices, virtual_stages, num_micro_batches))
+      'gpipe', num_devices=num_devices, num_micro_batches=num_micro_batches,
+      virtual_stages=virtual_stages, loss_outside=True,
+      orders=_GPipeOrders(num_devices, virtual_stages, num_micro_batches))
 
 
 def _OneFOneBOrders(num_devices: int, virtual_stages: int,
@@ -468,8 +469,9 @@ def OneFOneBTable(num_devices: int, num_micro_batches: int,
         f'virtual_stages={virtual_stages} must be a multiple of num_stages='
         f'{num_devices} (interleaved 1F1B runs groups of K micro-batches).')
   return TableFromOrders(
-      '1f1b', num_devices, virtual_stages, num_micro_batches, False,
-      _OneFOneBOrders(num_devices, virtual_stages, num_micro_batches))
+      '1f1b', num_devices=num_devices, num_micro_batches=num_micro_batches,
+      virtual_stages=virtual_stages, loss_outside=False,
+      orders=_OneFOneBOrders(num_devices, virtual_stages, num_micro_batches))
 
 
 class Schedule(NamedTuple):
