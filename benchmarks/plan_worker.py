@@ -5,10 +5,10 @@ r"""The planner's measurements, each in a fresh process.
 
 `tools/plan.py auto` runs this module twice over: once to profile a
 registered model (`Profile`: every cell of its GPipeSequentialLayer on two
-micro-batch sizes with `lingvo_gpipe.costs.ProfileCells`, and the task around
-the pipeline), then once per verified candidate (`Measure`: the model's real
-training step, built as Lingvo's graph-mode trainer builds it, on N logical
-CPU devices in splits of K). Each prints one line after
+micro-batch sizes with `lingvo_gpipe.profiling.ProfileCells`, and the task
+around the pipeline), then once per verified candidate (`Measure`: the model's
+real training step, built as Lingvo's graph-mode trainer builds it, on N
+logical CPU devices in splits of K). Each prints one line after
 `runner.RESULT_PREFIX` with its JSON, or one error line after
 `ERROR_PREFIX` and exits with status 2. A fresh process per measurement keeps
 allocator peaks and thread settings from leaking between configurations.
@@ -650,7 +650,7 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
   # pylint: disable=g-import-not-at-top
   import numpy as np
   import tensorflow as tf
-  from lingvo_gpipe import costs
+  from lingvo_gpipe import profiling
   from lingvo_gpipe.planning import planner
   # pylint: enable=g-import-not-at-top
   params = ModelParams(config['model'], config.get('overrides', ''))
@@ -674,9 +674,10 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
   graph = tf.Graph()
   with graph.as_default():
     cells = [p.Copy().Instantiate() for p in captured['cell_params']]
-  profiles, _ = costs.ProfileCells(
-      cells, captured['inputs'], batch_dim, sizes, captured['optimizer_fn'],
-      warmups, runs)
+  profiles, _ = profiling.ProfileCells(
+      cells, captured['inputs'], batch_dim=batch_dim, micro_batch_sizes=sizes,
+      optimizer_fn=captured['optimizer_fn'], num_warmup=warmups,
+      num_runs=runs)
   outputs = captured['outputs']
   flat_outputs = [y for y in tf.nest.flatten(outputs) if y is not None]
   loss_inside = len(flat_outputs) == 1 and np.ndim(flat_outputs[0]) == 0

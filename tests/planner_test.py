@@ -1,15 +1,11 @@
-"""Tests of planning.planner (search, time and memory model), the gradient
-term of the simulator's memory model, and costs.ProfileCells."""
+"""Tests of planning.planner (search, time and memory model) and the gradient
+term of the simulator's memory model."""
 
 import dataclasses
 import json
 
-from lingvo import compat as tf
-from lingvo.core import layers
-import numpy as np
 import pytest
 
-from lingvo_gpipe import costs
 from lingvo_gpipe.planning import planner
 from lingvo_gpipe.planning import schedule
 from lingvo_gpipe.planning import simulate
@@ -390,80 +386,3 @@ def testBadSearchArguments():
   with pytest.raises(ValueError, match='batch_size=4 does not split'):
     planner.Predict(_Profile(TWO_CELLS), 1, 3, 'always', [2])
 
-
-def _FC(name, input_dim, output_dim, activation='RELU'):
-  return layers.FCLayer.Params().Set(name=name, input_dim=input_dim,
-                                     output_dim=output_dim,
-                                     activation=activation)
-
-
-def testProfileCellsSizes():
-  with tf.Graph().as_default():
-    cells = [_FC('a', 8, 16).Instantiate(),
-             _FC('b', 16, 4, 'NONE').Instantiate()]
-  sample = np.ones([8, 8], np.float32)
-  profiles, outputs = costs.ProfileCells(
-      cells, sample, batch_dim=0, micro_batch_sizes=[2, 8],
-      optimizer_fn=lambda: tf.compat.v1.train.AdamOptimizer(1e-3),
-      num_warmup=1, num_runs=2)
-  a, b = profiles
-  assert (a.name, b.name) == ('a', 'b')
-  # a's backward keeps its ReLU output (16 floats an example); b is linear:
-  # its backward needs only its input (held as a stage input) and weights.
-  assert a.activation_bytes == 16 * 4 and b.activation_bytes == 0
-  assert a.output_bytes == 16 * 4 and b.output_bytes == 4 * 4
-  assert a.weight_bytes == (8 * 16 + 16) * 4 == a.gradient_bytes
-  assert a.slot_bytes == 2 * a.weight_bytes  # Adam: m and v.
-  assert b.weight_bytes == (16 * 4 + 4) * 4
-  assert np.shape(outputs[0]) == (8, 4)
-  for p in profiles:
-    assert p.forward_s(8) >= 0 and p.backward_s(8) >= 0 and p.update_s >= 0
-    for workspace in (p.workspace_bytes, p.kept_workspace_bytes):
-      assert workspace.fixed >= 0 and workspace.per_example >= 0
-
-
-def testHeldAtForwardEnd():
-  from tensorflow.core.framework import step_stats_pb2  # pylint: disable=g-import-not-at-top
-  stats = step_stats_pb2.StepStats()
-  device = stats.dev_stats.add(device='/cpu:0')
-
-  def Node(name, start, end, records):
-    node = device.node_stats.add(node_name=name, all_start_micros=start,
-                                 all_end_rel_micros=end - start)
-    memory = node.memory.add(allocator_name='cpu')
-    for when, size in records:
-      memory.allocation_records.add(alloc_micros=when, alloc_bytes=size)
-
-  # A fed input is not the forward's allocation.
-  Node('_arg_x_0_0', 0, 1, [(0, 1000)])
-  # Forward: 100 kept; 40 allocated and released before the forward ends;
-  # the 100 is released by the backward, later.
-  Node('cell/a', 1, 3, [(1, 100), (10, -100)])
-  Node('cell/b', 3, 5, [(3, 40), (4, -40)])
-  Node('cell/c', 5, 6, [(5, 8)])
-  Node(costs.BACKWARD_SCOPE + '/grad', 7, 12, [(7, 500), (11, -500)])
-  assert costs.HeldAtForwardEnd(stats, costs.BACKWARD_SCOPE) == 108
-  assert costs.AllocationPeak(stats) == 1608
-  # The backward's own kernels: 500 at once, whatever the forward holds.
-  assert costs.AllocationPeak(stats, costs.BACKWARD_SCOPE) == 500
-
-
-def testProfileCellKeptBytesOfLingvoFeedForward():
-  # Lingvo's transformer feed-forward layer on [time 4, batch 8, dim 8]: 32
-  # positions. What its forward holds for the backward is measured from a
-  # traced run (the same in every run): at least the ReLU output and its
-  # padding-masked copy (16 floats each per position), 7392 bytes in all
-  # with TF 2.21's Grappler.
-  from lingvo.core import layers_with_attention  # pylint: disable=g-import-not-at-top
-  with tf.Graph().as_default():
-    cell = layers_with_attention.TransformerFeedForwardLayer.Params().Set(
-        name='ff', input_dim=8, hidden_dim=16).Instantiate()
-  inputs = (np.ones([4, 8, 8], np.float32), np.zeros([4, 8], np.float32))
-  runs = [costs.ProfileCell(cell, inputs, num_warmup=1, num_runs=1)
-          for _ in range(2)]
-  assert [r.kept_bytes for r in runs] == [7392, 7392]
-  assert runs[0].kept_bytes >= 32 * 2 * 16 * 4
-  assert runs[0].output_bytes == 32 * 8 * 4
-  # Its backward's own kernels make at least the gradient of the hidden
-  # layer (16 floats per position) beside the weight gradients.
-  assert min(r.kept_workspace_bytes for r in runs) >= 32 * 16 * 4
