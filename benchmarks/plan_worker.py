@@ -637,12 +637,12 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
     config: {'model', 'overrides' (applied first), 'batch_size' (B, the
       examples of one step over all replicas; None: the model's
       input.batch_size), 'num_devices' (N: the cells are profiled on the
-      micro-batch sizes of `planner.ProfileSizes`, the work around the
+      micro-batch sizes of `planning.profile.ProfileSizes`, the work around the
       pipeline on its replica batch sizes), 'warmups', 'runs',
       'intra_op_threads'}.
 
   Returns:
-    `planner.Profile.ToJson()` plus 'input_shapes' and
+    `planning.profile.Profile.ToJson()` plus 'input_shapes' and
     'output_shapes' (on the profiled batch) and 'profile_s' (seconds).
   """
   start = time.time()
@@ -651,7 +651,7 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
   import numpy as np
   import tensorflow as tf
   from lingvo_gpipe import profiling
-  from lingvo_gpipe.planning import planner
+  from lingvo_gpipe.planning import profile as profile_lib
   # pylint: enable=g-import-not-at-top
   params = ModelParams(config['model'], config.get('overrides', ''))
   path, stack_p = FindStack(params.task)
@@ -664,8 +664,8 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
           'batch_dim')
   }
   try:
-    sizes, replica_sizes = planner.ProfileSizes(batch_size,
-                                                config.get('num_devices', 1))
+    sizes, replica_sizes = profile_lib.ProfileSizes(
+        batch_size, config.get('num_devices', 1))
   except ValueError as e:
     raise WorkerError(str(e)) from e
   captured = _CaptureStack(params, path, batch_size)
@@ -690,7 +690,7 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
   # the cells' own costs (the learner's gradient norms and clipping,
   # counters, the session call).
   smallest = replica_sizes[0]
-  outside_s = planner.Affine.Fit(replica_sizes, [o[0] for o in outside])
+  outside_s = profile_lib.Affine.Fit(replica_sizes, [o[0] for o in outside])
   parts_s = (sum(c.forward_s(smallest) + c.backward_s(smallest) + c.update_s
                  for c in profiles) + outside_s(smallest))
   sequential_s = _SequentialStep(params, path, smallest, warmups, runs)
@@ -698,13 +698,14 @@ def Profile(config: Dict[str, Any]) -> Dict[str, Any]:
   input_bytes = sum(float(np.asarray(x).nbytes)
                     for x in tf.nest.flatten(captured['inputs'])
                     if x is not None) / batch_size
-  profile = planner.Profile(
+  profile = profile_lib.Profile(
       cells=tuple(profiles),
       input_bytes=input_bytes,
       batch_size=batch_size,
       loss_inside=loss_inside,
       outside_s=outside_s,
-      outside_bytes=planner.Affine.Fit(replica_sizes, [o[1] for o in outside]),
+      outside_bytes=profile_lib.Affine.Fit(replica_sizes,
+                                           [o[1] for o in outside]),
       model=config['model'],
       stack_path=path,
       step_overhead_s=overhead_s,

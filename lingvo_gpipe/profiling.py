@@ -1,7 +1,7 @@
 """What `plan.py auto` measures of each Lingvo cell: times and bytes.
 
-`ProfileCells` gives the planner (`planning.planner`) each cell's
-`planning.planner.CellProfile`: forward, backward and optimizer-update time
+`ProfileCells` gives the planner (`planning.search`) each cell's
+`planning.profile.CellProfile`: forward, backward and optimizer-update time
 on micro-batches of two sizes, the activation bytes its backward keeps, the
 workspace of its running backward, its output, weight, gradient and
 optimizer-slot bytes:
@@ -30,10 +30,10 @@ from lingvo.core import base_layer
 import numpy as np
 
 from lingvo_gpipe import costs
-from lingvo_gpipe.planning import planner
+from lingvo_gpipe.planning import profile as profile_lib
 from lingvo_gpipe.planning import timing
 
-Affine = planner.Affine
+Affine = profile_lib.Affine
 
 # The upstream gradient of every output element while a cell is profiled.
 UPSTREAM_GRADIENT = 1e-6
@@ -336,13 +336,13 @@ def ProfileCells(cells: Sequence[base_layer.BaseLayer],
                  optimizer_fn: Optional[Callable[[], Any]] = None,
                  num_warmup: int = timing.PROFILE_WARMUP_RUNS,
                  num_runs: int = timing.PROFILE_TIMED_RUNS
-                ) -> Tuple[List[planner.CellProfile], Any]:
-  """What the planner needs of each cell (`planning.planner.CellProfile`).
+                ) -> Tuple[List[profile_lib.CellProfile], Any]:
+  """What the planner needs of each cell (`planning.profile.CellProfile`).
 
   Every cell is profiled (`ProfileCell`) on micro-batches of each size in
   `micro_batch_sizes` (the first examples of `sample_inputs`), cell i + 1 on
   cell i's outputs. Times and workspaces are fitted as fixed + per-example
-  cost (`planning.planner.Affine.Fit`: some kernels' temporaries do not
+  cost (`planning.profile.Affine.Fit`: some kernels' temporaries do not
   shrink with the micro-batch); other bytes are taken per example on the
   largest size;
   the update time is the median over the sizes (it does not depend on them).
@@ -386,7 +386,7 @@ def ProfileCells(cells: Sequence[base_layer.BaseLayer],
   for i, cell in enumerate(cells):
     cell_runs = runs[i]
     last = cell_runs[-1]
-    profiles.append(planner.CellProfile(
+    profiles.append(profile_lib.CellProfile(
         name=cell.params.name,
         forward_s=Affine.Fit(sizes, [r.forward_s for r in cell_runs]),
         backward_s=Affine.Fit(sizes, [r.backward_s for r in cell_runs]),

@@ -30,7 +30,7 @@ Subcommands (the first argument that is not a flag):
              call times, and the same picture and trace as simulate.
   auto       Chooses K, M, schedule, virtual stages, remat and partition of
              a registered model for N devices of --memory_per_device bytes
-             (`planning.planner`): profiles every cell once (a worker
+             (`planning.search`): profiles every cell once (a worker
              process, `benchmarks.plan_worker`), measures a pipelined and a
              data-parallel step to calibrate the cost of a call and of
              replicas, predicts the step time and per-device peak of every
@@ -72,10 +72,14 @@ from absl import flags
 from benchmarks import host
 from benchmarks import plan_worker
 from benchmarks import traced_step
+from lingvo_gpipe.planning import calibrate
 from lingvo_gpipe.planning import partition as partition_lib
-from lingvo_gpipe.planning import planner
+from lingvo_gpipe.planning import predict
+from lingvo_gpipe.planning import profile as profile_lib
 from lingvo_gpipe.planning import report
 from lingvo_gpipe.planning import schedule
+from lingvo_gpipe.planning import search
+from lingvo_gpipe.planning import search_report
 from lingvo_gpipe.planning import simulate
 from lingvo_gpipe.planning import timeline
 from tools import cli
@@ -661,13 +665,13 @@ def ParseBytes(flag: str, text: Optional[str]) -> float:
   return number * _UNITS[unit]
 
 
-def _LoadProfile() -> Tuple[planner.Profile, Dict[str, Any]]:
+def _LoadProfile() -> Tuple[profile_lib.Profile, Dict[str, Any]]:
   """The profile: from --profile_in, or measured in a worker."""
   if FLAGS.profile_in:
     try:
       with open(FLAGS.profile_in) as f:
         raw = json.load(f)
-      profile = planner.Profile.FromJson(raw)
+      profile = profile_lib.Profile.FromJson(raw)
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise PlanError(f'--profile_in={FLAGS.profile_in}: cannot read a '
                       f'profile ({type(e).__name__}: {e}).') from e
@@ -693,8 +697,8 @@ def _LoadProfile() -> Tuple[planner.Profile, Dict[str, Any]]:
     raw = plan_worker.RunWorker(config, _ROOT)
   except plan_worker.WorkerError as e:
     raise PlanError(str(e)) from e
-  profile = planner.Profile.FromJson(raw)
-  calibration = planner.CalibrationCandidate(profile, FLAGS.num_devices)
+  profile = profile_lib.Profile.FromJson(raw)
+  calibration = calibrate.CalibrationCandidate(profile, FLAGS.num_devices)
   if calibration is not None:
     # What a chunk call costs in a pipeline beyond its cells: one pipelined
     # step, measured.
@@ -703,14 +707,17 @@ def _LoadProfile() -> Tuple[planner.Profile, Dict[str, Any]]:
     _Measure(profile, calibration, FLAGS.num_devices)
     profile = dataclasses.replace(
         profile,
-        call_overhead_s=planner.CalibrateCallOverhead(
+        call_overhead_s=calibrate.CalibrateCallOverhead(
             profile, calibration, calibration.measured_step_s))
     raw['call_overhead_s'] = profile.call_overhead_s
   if FLAGS.num_devices > 1 and profile.batch_size % FLAGS.num_devices == 0:
     # What data parallelism costs beyond the model: its step and its peak,
     # measured.
-    replicated = planner.Predict(profile, 1, 1, 'never', [profile.num_cells],
-                                 replicas=FLAGS.num_devices)
+    replicated = predict.Predict(
+        profile,
+        profile_lib.PipelineShape(num_stages=1, num_micro_batches=1,
+                                  remat='never', replicas=FLAGS.num_devices),
+        [profile.num_cells])
     print(f'Measuring the data-parallel step ({replicated.Describe()}) ...',
           flush=True)
     _Measure(profile, replicated, FLAGS.num_devices)
@@ -746,13 +753,13 @@ def _CheckAutoFlags() -> None:
                       f'{list(schedule.REMAT_MODES)}.')
 
 
-def _Measure(profile: planner.Profile, candidate: planner.Candidate,
+def _Measure(profile: profile_lib.Profile, candidate: profile_lib.Candidate,
              num_devices: int) -> None:
   """Trains `candidate` a few steps in workers; fills its measured fields."""
   config = {
       'action': 'measure',
       'model': profile.model,
-      'overrides': '; '.join(planner.OverrideLines(profile, candidate)),
+      'overrides': '; '.join(search_report.OverrideLines(profile, candidate)),
       'num_devices': num_devices,
       'split_size': candidate.num_stages,
       'warmups': _VERIFY_WARMUPS,
@@ -777,7 +784,7 @@ def _Measure(profile: planner.Profile, candidate: planner.Candidate,
   candidate.measured_peak_bytes = max(per_stage)
 
 
-def _VerifyTable(candidates: Sequence[planner.Candidate],
+def _VerifyTable(candidates: Sequence[profile_lib.Candidate],
                  labels: Sequence[str], budget: float) -> str:
   """Predicted against measured, one line per candidate and per device."""
   lines = [f'{"":<10} {"configuration":<44} {"step ms pred":>12} '
@@ -791,34 +798,37 @@ def _VerifyTable(candidates: Sequence[planner.Candidate],
         f'{label:<10} {c.Describe():<44} {c.predicted_step_s * 1e3:>12.2f} '
         f'{c.measured_step_s * 1e3:>8.2f} '
         f'{c.measured_step_s / c.predicted_step_s:>6.2f}  '
-        f'{planner.FormatBytes(c.predicted_peak_bytes):>10} '
-        f'{planner.FormatBytes(c.measured_peak_bytes):>10} '
+        f'{search_report.FormatBytes(c.predicted_peak_bytes):>10} '
+        f'{search_report.FormatBytes(c.measured_peak_bytes):>10} '
         f'{c.measured_peak_bytes / c.predicted_peak_bytes:>6.2f}  {fits}')
     for k, (pred, meas) in enumerate(zip(c.device_peak_bytes,
                                          c.measured_device_peak_bytes)):
       lines.append(f'{"":<10}   device {k}: peak predicted '
-                   f'{planner.FormatBytes(pred)}, measured '
-                   f'{planner.FormatBytes(meas)} ({meas / pred:.2f})')
+                   f'{search_report.FormatBytes(pred)}, measured '
+                   f'{search_report.FormatBytes(meas)} ({meas / pred:.2f})')
   return '\n'.join(lines)
 
 
-def _Baselines(profile: planner.Profile, best: Optional[planner.Candidate],
-               num_devices: int, budget: float,
-               schedule_name: str) -> List[Tuple[str, planner.Candidate]]:
+def _Baselines(
+    profile: profile_lib.Profile, best: Optional[profile_lib.Candidate],
+    num_devices: int, budget: float,
+    schedule_name: str) -> List[Tuple[str, profile_lib.Candidate]]:
   """The defaults and Lingvo's heuristic partition, predicted."""
   baselines = []
   num_stages = min(num_devices, profile.num_cells)
   while num_devices % num_stages:
     num_stages -= 1
   replicas = num_devices // num_stages
-  defaults = planner.Predict(
-      profile, num_stages, 1, 'always',
+  defaults = predict.Predict(
+      profile,
+      profile_lib.PipelineShape(num_stages=num_stages, num_micro_batches=1,
+                                remat='always', schedule=schedule_name,
+                                replicas=replicas),
       partition_lib.UniformPartition(profile.num_cells, num_stages),
-      replicas, schedule_name, 1, budget, 'uniform')
+      memory_per_device=budget, partition_rule='uniform')
   baselines.append(('defaults', defaults))
   if best is not None:
-    micro = planner.MicroBatchSize(profile.batch_size, best.replicas,
-                                   best.num_micro_batches)
+    micro = best.shape.MicroBatchSize(profile.batch_size)
     costs = [c.forward_s(micro) + c.backward_s(micro) for c in profile.cells]
     lingvo = partition_lib.LingvoPartition(
         costs, best.num_stages * best.virtual_stages)
@@ -826,10 +836,9 @@ def _Baselines(profile: planner.Profile, best: Optional[planner.Candidate],
       print(f"Lingvo's heuristic partition for {best.Describe()} is {lingvo}, "
             'with an empty stage: it cannot run.')
     else:
-      baselines.append(('lingvo', planner.Predict(
-          profile, best.num_stages, best.num_micro_batches, best.remat,
-          lingvo, best.replicas, best.schedule, best.virtual_stages, budget,
-          'lingvo_heuristic')))
+      baselines.append(('lingvo', predict.Predict(
+          profile, best.shape, lingvo, memory_per_device=budget,
+          partition_rule='lingvo_heuristic')))
   return baselines
 
 
@@ -856,19 +865,22 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
   print(f'{profile.model}: {profile.num_cells} cells '
         f'({", ".join(c.name for c in profile.cells)}), batch '
         f'{profile.batch_size}, {num_devices} devices of '
-        f'{planner.FormatBytes(budget)} (planned to '
-        f'{planner.FormatBytes(planned)}: --memory_margin='
+        f'{search_report.FormatBytes(budget)} (planned to '
+        f'{search_report.FormatBytes(planned)}: --memory_margin='
         f'{FLAGS.memory_margin:g}); cells profiled on micro-batches of '
         f'{list(profile.profiled_sizes)}.')
   if raw.get('host'):
     print(f'Profiled on {host.Summary(raw["host"])}.')
   try:
-    result = planner.Search(profile, num_devices, planned, FLAGS.schedules,
-                            FLAGS.remat_modes, FLAGS.max_micro_batches,
-                            FLAGS.max_virtual_stages)
+    result = search.Search(profile, num_devices=num_devices,
+                           memory_per_device=planned,
+                           schedules=FLAGS.schedules,
+                           remats=FLAGS.remat_modes,
+                           max_micro_batches=FLAGS.max_micro_batches,
+                           max_virtual_stages=FLAGS.max_virtual_stages)
   except ValueError as e:
     raise PlanError(str(e)) from e
-  print(planner.FormatTable(result, FLAGS.top))
+  print(search_report.FormatTable(result, FLAGS.top))
   for line in result.skipped:
     print(f'not searched: {line}')
   numbers = {
@@ -882,7 +894,7 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
       'candidates': result.candidates,
       'chosen': result.chosen,
       'skipped': result.skipped,
-      'reason': planner.Reason(result),
+      'reason': search_report.Reason(result),
       'overrides': None,
       'baselines': [],
       'profile': raw,
@@ -891,7 +903,7 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
           else None)
   verified = []
   if best is not None:
-    overrides = planner.OverrideLines(profile, best)
+    overrides = search_report.OverrideLines(profile, best)
     numbers['overrides'] = overrides
     print(f'\nChosen: {numbers["reason"]}')
     print('Select it with:')
@@ -910,7 +922,7 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
     for label, c in baselines:
       print(f'  {label:<9} {c.Describe()}: step '
             f'{c.predicted_step_s * 1e3:.2f} ms, peak '
-            f'{planner.FormatBytes(c.predicted_peak_bytes)}'
+            f'{search_report.FormatBytes(c.predicted_peak_bytes)}'
             f'{"" if c.fits else " (over budget)"}')
     numbers['baselines'] = [dict(label=label, **c.ToJson())
                             for label, c in baselines]
@@ -924,7 +936,7 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
       _Measure(profile, c, num_devices)
       print(f'  {label}: {c.Describe()}: step '
             f'{c.measured_step_s * 1e3:.2f} ms, peak '
-            f'{planner.FormatBytes(c.measured_peak_bytes)}', flush=True)
+            f'{search_report.FormatBytes(c.measured_peak_bytes)}', flush=True)
     print(_VerifyTable([c for _, c in verified], [l for l, _ in verified],
                        budget))
     if FLAGS.baselines:
@@ -933,18 +945,18 @@ def Auto(args: Sequence[str]) -> Dict[str, Any]:
                               if not label.startswith('#')]
     if best is not None and best.measured_peak_bytes > budget:
       print(f'warning: the chosen configuration measured '
-            f'{planner.FormatBytes(best.measured_peak_bytes)}, over the '
-            f'budget of {planner.FormatBytes(budget)}.')
+            f'{search_report.FormatBytes(best.measured_peak_bytes)}, over the '
+            f'budget of {search_report.FormatBytes(budget)}.')
   numbers['candidates'] = [c.ToJson() for c in result.candidates]
   if best is None:
     if FLAGS.json_out:
       with open(FLAGS.json_out, 'w') as f:
         json.dump(numbers, f, indent=2)
       print(f'Wrote {FLAGS.json_out}')
-    raise NothingFits(planner.NothingFits(
-        result, f'{planner.FormatBytes(planned)} (memory_per_device='
-        f'{budget:.0f}, {planner.FormatBytes(budget)}, less --memory_margin='
-        f'{FLAGS.memory_margin:g})'))
+    raise NothingFits(search_report.NothingFits(
+        result, f'{search_report.FormatBytes(planned)} (memory_per_device='
+        f'{budget:.0f}, {search_report.FormatBytes(budget)}, less '
+        f'--memory_margin={FLAGS.memory_margin:g})'))
   return numbers
 
 

@@ -244,7 +244,7 @@ def Simulate(table: schedule.Table,
 
   Memory model, per device, counting micro-batch activations and, if given,
   weight gradients (not weights, optimizer slots or the merged output; the
-  planner adds those, `planner.Predict`): from its forward until its
+  planner adds those, `predict.Predict`): from its forward until its
   backward ends a call keeps its chunk's input (`input_memory`). While a
   call's forward, recompute or backward runs, and for a call that does not
   recompute from its forward until its backward ends, the call also holds its
