@@ -1,16 +1,17 @@
 """How expensive each Keras layer is, to choose the pipeline partition.
 
-The Keras counterpart of `lingvo_gpipe.costs`: 'params' counts trainable
-parameters, 'profile' times each layer's forward and backward pass on one
-micro-batch (timed as `planning.timing` says, like the Lingvo cells), and
+The Keras counterpart of `lingvo_gpipe.costs`: `ParamCounts` counts trainable
+parameters (partition='params'), `ProfileTimes` times each layer's forward
+and backward pass on one micro-batch (partition='profile'; the median of
+timed runs, as `planning.timing` says, like the Lingvo cells), and
 `VariableBytes` gives the memory that `planning.partition.PartitionCosts`
 balances. Keras layers have no flop estimate, so there is no 'flops'.
 
-    costs = LayerCosts(layers, 'profile', micro_batch_shape=(64, 512))
+    costs = ProfileTimes(layers, micro_batch_shape=(64, 512))
     counts = partition.PartitionCosts(costs, 4, memory=VariableBytes(layers))
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import keras
 import numpy as np
@@ -18,8 +19,6 @@ import tensorflow as tf
 
 from lingvo_gpipe.keras import stages
 from lingvo_gpipe.planning import timing
-
-METHODS = ('params', 'profile')
 
 
 def ParamCounts(layers: Sequence[keras.layers.Layer]) -> List[float]:
@@ -111,30 +110,3 @@ def ProfileTimes(layers: Sequence[keras.layers.Layer],
       times.append(seconds)
   return times
 
-
-def LayerCosts(layers: Sequence[keras.layers.Layer],
-               method: str,
-               micro_batch_shape: Optional[Sequence[int]] = None,
-               dtype: tf.DType = tf.float32) -> List[float]:
-  """The cost of each layer by one of `METHODS`.
-
-  Args:
-    layers: Built Keras layers, in order.
-    method: 'params' or 'profile'.
-    micro_batch_shape: For 'profile', see `ProfileTimes`.
-    dtype: For 'profile', the first layer's input dtype.
-
-  Returns:
-    One non-negative float per layer.
-
-  Raises:
-    ValueError: on an unknown method or a missing shape.
-  """
-  if method == 'params':
-    return ParamCounts(layers)
-  if method != 'profile':
-    raise ValueError(f'method={method!r} is not a cost method for Keras '
-                     f'layers; use one of {list(METHODS)}.')
-  if micro_batch_shape is None:
-    raise ValueError("partition='profile' needs the micro-batch shape.")
-  return ProfileTimes(layers, micro_batch_shape, dtype)
