@@ -24,6 +24,7 @@ from lingvo.core import tshape
 import numpy as np
 
 from lingvo_gpipe.planning import config
+from lingvo_gpipe.planning import sizes
 from lingvo_gpipe.planning import timing
 
 METHODS = config.COST_PARTITIONS
@@ -92,10 +93,7 @@ def ParamCounts(cells: Sequence[base_layer.BaseLayer]) -> List[float]:
     One float per cell.
   """
   CheckCells(cells)
-  return [
-      float(sum(v.shape.num_elements() for v in c.vars.Flatten()
-                if v.trainable)) for c in cells
-  ]
+  return sizes.ParamCounts([c.vars.Flatten() for c in cells])
 
 
 def CellMemory(cells: Sequence[base_layer.BaseLayer]) -> List[float]:
@@ -111,10 +109,8 @@ def CellMemory(cells: Sequence[base_layer.BaseLayer]) -> List[float]:
     One float per cell.
   """
   CheckCells(cells)
-  return [
-      float(sum(v.shape.num_elements() * v.dtype.size
-                for v in c.vars.Flatten())) for c in cells
-  ]
+  return sizes.VariableBytes([c.vars.Flatten() for c in cells],
+                             dtype_size=lambda dtype: dtype.size)
 
 
 def FlopCounts(cells: Sequence[base_layer.BaseLayer],

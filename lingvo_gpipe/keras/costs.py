@@ -5,7 +5,8 @@ parameters (partition='params'), `ProfileTimes` times each layer's forward
 and backward pass on one micro-batch (partition='profile'; the median of
 timed runs, as `planning.timing` says, like the Lingvo cells), and
 `VariableBytes` gives the memory that `planning.partition.PartitionCosts`
-balances. Keras layers have no flop estimate, so there is no 'flops'.
+balances; counts and bytes are `planning.sizes`', shared with the Lingvo
+cells. Keras layers have no flop estimate, so there is no 'flops'.
 
     costs = ProfileTimes(layers, micro_batch_shape=(64, 512))
     counts = partition.PartitionCosts(costs, 4, memory=VariableBytes(layers))
@@ -18,21 +19,19 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.keras import stages
+from lingvo_gpipe.planning import sizes
 from lingvo_gpipe.planning import timing
 
 
 def ParamCounts(layers: Sequence[keras.layers.Layer]) -> List[float]:
   """The number of trainable parameters of each built layer (may be zero)."""
-  return [float(sum(int(np.prod(v.shape)) for v in layer.trainable_variables))
-          for layer in layers]
+  return sizes.ParamCounts([layer.trainable_variables for layer in layers])
 
 
 def VariableBytes(layers: Sequence[keras.layers.Layer]) -> List[float]:
   """Bytes of each built layer's variables, trainable or not."""
-  return [
-      float(sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-                for v in layer.variables)) for layer in layers
-  ]
+  return sizes.VariableBytes([layer.variables for layer in layers],
+                             dtype_size=lambda dtype: tf.as_dtype(dtype).size)
 
 
 def _SampleInput(shape: Sequence[int], dtype: tf.DType) -> tf.Tensor:
