@@ -82,9 +82,12 @@ def testHeldAtForwardEnd():
 def testProfileCellKeptBytesOfLingvoFeedForward():
   # Lingvo's transformer feed-forward layer on [time 4, batch 8, dim 8]: 32
   # positions. What its forward holds for the backward is measured from a
-  # traced run (the same in every run): at least the ReLU output and its
-  # padding-masked copy (16 floats each per position), 7392 bytes in all
-  # with TF 2.21's Grappler.
+  # traced run and is the same in every run: at least the ReLU output and its
+  # padding-masked copy (16 floats each per position), at most every tensor
+  # the forward makes (layer norm 8, hidden 16, ReLU 16, masked copy 16,
+  # output 8 and residual 8 floats per position). The bytes in between
+  # depend on Grappler's rewrites and the allocator's rounding, which differ
+  # between TensorFlow versions and allocators.
   from lingvo.core import layers_with_attention  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     cell = layers_with_attention.TransformerFeedForwardLayer.Params().Set(
@@ -92,8 +95,9 @@ def testProfileCellKeptBytesOfLingvoFeedForward():
   inputs = (np.ones([4, 8, 8], np.float32), np.zeros([4, 8], np.float32))
   runs = [profiling.ProfileCell(cell, inputs, num_warmup=1, num_runs=1)
           for _ in range(2)]
-  assert [r.kept_bytes for r in runs] == [7392, 7392]
-  assert runs[0].kept_bytes >= 32 * 2 * 16 * 4
+  assert runs[0].kept_bytes == runs[1].kept_bytes
+  assert (32 * 2 * 16 * 4 <= runs[0].kept_bytes <=
+          32 * (8 + 3 * 16 + 2 * 8) * 4), runs[0]
   assert runs[0].output_bytes == 32 * 8 * 4
   # Its backward's own kernels make at least the gradient of the hidden
   # layer (16 floats per position) beside the weight gradients.
