@@ -68,11 +68,11 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from absl import logging
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from lingvo_gpipe.engine import channel
 from lingvo_gpipe.engine import microbatch
 from lingvo_gpipe.engine import stage as stage_lib
+from lingvo_gpipe.engine import xla
 from lingvo_gpipe.planning import schedule
 
 # Whether the loops' While, If and Case ops are lowered to Switch/Merge
@@ -1222,7 +1222,8 @@ def _ChannelDevices(chunks: Sequence[_Chunk],
   their Send and Recv ops can meet: in a TF1 graph (a session's executor
   runs each functional While as a callback chain on its thread pool), with
   control flow v2, loops not lowered (lowered, each loop's ops key their
-  tensors by its own frame) and no XLA (which compiles no Send or Recv);
+  tensors by its own frame) and not compiled by XLA (`xla.CompiledByXla`:
+  XLA compiles no Send or Recv);
   with K >= 2 distinct, fully named devices, and every edge's micro-batches
   in one order at both ends (`ChannelOrderHolds`). Not eagerly, where the
   loops run one after the other, nor inside a `tf.function`: TensorFlow's
@@ -1238,15 +1239,14 @@ def _ChannelDevices(chunks: Sequence[_Chunk],
     K full device names, or None.
   """
   table = layout.table
+  devices = [chunks[k].device for k in range(table.num_devices)]
   if (table.num_devices < 2 or LOWER_CONTROL_FLOW or tf.executing_eagerly()
       or tf.compat.v1.get_default_graph().building_function or
       not tf.compat.v1.control_flow_v2_enabled() or
-      control_flow_util.GraphOrParentsInXlaContext(
-          tf.compat.v1.get_default_graph()) or
+      xla.CompiledByXla(devices) or
       not ChannelOrderHolds(table, layout.edges)):
     return None
-  names = [channel.FullDeviceName(chunks[k].device)
-           for k in range(table.num_devices)]
+  names = [channel.FullDeviceName(device) for device in devices]
   if None in names or len(set(names)) < len(names):
     return None
   return names
