@@ -12,6 +12,8 @@ between pipeline shapes and the plain sequential model. The pipeline shape
 (stages, devices, micro-batches, recompute) only changes how FProp runs.
 """
 
+import functools
+
 from absl import logging
 from lingvo import compat as tf
 from lingvo.core import base_layer
@@ -22,14 +24,17 @@ from lingvo_gpipe import batchnorm
 from lingvo_gpipe import cells as cells_lib
 from lingvo_gpipe import costs as costs_lib
 from lingvo_gpipe import from_lingvo
-from lingvo_gpipe.engine import microbatch
-from lingvo_gpipe.engine import pipeline
+from lingvo_gpipe.engine import call as call_lib
 from lingvo_gpipe.engine import placement
 from lingvo_gpipe.engine import tpu
 from lingvo_gpipe.planning import config
-from lingvo_gpipe.planning import partition as partition_lib
-from lingvo_gpipe.planning import report
 from lingvo_gpipe.planning import schedule
+
+
+def _LogPlan(plan):
+  """Logs a partition plan at INFO, as a record of this module."""
+  logging.info('%s', plan)
+
 
 class GPipeSequentialLayer(base_layer.BaseLayer):
   """Runs a sequence of cells as a K-stage, M-micro-batch GPipe pipeline."""
@@ -76,8 +81,9 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "trace and XLA compile grow with K v x M; GPipe and circular "
         "schedules), 'loop' (while loops over the schedule table's ticks: "
         "the graph does not grow with M; every schedule) or 'auto' ('loop' "
-        "for a schedule with the loss inside and on TPU, else the engine "
-        "that costs less over a training run, schedule.ChooseEngine).")
+        'for a schedule with the loss inside and when XLA compiles the step, '
+        'under jit_compile=True or on TPU (engine.xla); else the engine that '
+        'costs less over a training run, schedule.ChooseEngine).')
     p.Define(
         'virtual_stages', 1, 'v, the chunks of cells per device: the cells '
         'are cut into K * v chunks and chunk c runs on device c mod K, so a '
@@ -126,15 +132,20 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     shape = self._CheckParams()
-    self._num_stages, self._partition = shape.num_stages, shape.counts
     for cell_p in p.cell_tpl:
       self.CreateChild(cell_p.name, cell_p)
     self._cells = [self.children[cell_p.name] for cell_p in p.cell_tpl]
     self._FindBatchNorms()
-    if p.partition == 'params':
-      self._Partition(costs_lib.CellCosts(self._cells, 'params'))
-    elif self._partition is not None:
-      self._LogPlan(costs_lib.CellCosts(self._cells, 'params'))
+    # M, the partition and the engine, decided as for every front end.
+    self._pipelined_call = call_lib.PipelinedCall(
+        p.name, [c.params.name for c in self._cells], shape,
+        partition=p.partition, num_micro_batches=p.num_micro_batches,
+        micro_batch_size=p.micro_batch_size, batch_dim=p.batch_dim,
+        remat=p.remat, engine=p.engine, schedule=p.schedule,
+        memory=lambda: costs_lib.CellMemory(self._cells),
+        log_plan=_LogPlan)
+    self._pipelined_call.Plan(
+        lambda: costs_lib.CellCosts(self._cells, 'params'))
 
   def _FindBatchNorms(self):
     """Tells our BatchNormLayers they are micro-batched; warns about Lingvo's.
@@ -155,23 +166,6 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
             'lingvo_gpipe.BatchNormLayer instead.', self.params.name,
             layer.path)
       stack.extend(py_utils.Flatten(layer.children))
-
-  def _Partition(self, cell_costs):
-    """Sets the optimal partition for `cell_costs` and logs the plan."""
-    memory = costs_lib.CellMemory(self._cells)
-    self._partition = partition_lib.PartitionCosts(cell_costs,
-                                                   self.num_chunks, memory)
-    self._LogPlan(cell_costs, memory)
-
-  def _LogPlan(self, cell_costs, memory=None):
-    """Logs each stage's cells, cost (`cell_costs`), share and memory."""
-    if memory is None:
-      memory = costs_lib.CellMemory(self._cells)
-    logging.info(
-        '%s: partition=%r\n%s', self.params.name, self.params.partition,
-        report.PartitionReport(
-            cell_costs, self._partition, memory=memory,
-            names=[c.params.name for c in self._cells]))
 
   def _CheckParams(self):
     """Validates the params (`planning.config.CheckShape`).
@@ -199,16 +193,16 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     With v = 1, the cells per stage. None before a first FProp decides a
     'flops' or 'profile' partition.
     """
-    return None if self._partition is None else list(self._partition)
+    return self._pipelined_call.partition
 
   @property
   def num_stages(self):
-    return self._num_stages
+    return self._pipelined_call.num_stages
 
   @property
   def num_chunks(self):
     """K v."""
-    return self._num_stages * self.params.virtual_stages
+    return self._pipelined_call.num_chunks
 
   @property
   def loss_inside(self):
@@ -219,12 +213,20 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     """
     return schedule.CheckSchedule(self.params.schedule).loss_inside
 
-  def _PartitionFromMicroBatch(self, flat_inputs, num_micro):
-    """Decides a 'flops' or 'profile' partition from one micro-batch's shape."""
+  def _MicroBatchCosts(self, flat_inputs, num_micro):
+    """Per-cell 'flops' or 'profile' costs of one micro-batch of the inputs.
+
+    Args:
+      flat_inputs: The first FProp's flat inputs.
+      num_micro: M.
+
+    Returns:
+      One cost per cell (`costs.CellCosts`).
+
+    Raises:
+      ValueError: with nested_map_fprop, or inputs of unknown shape.
+    """
     p = self.params
-    if self.num_chunks == 1:
-      self._partition = [len(self._cells)]
-      return
     if p.nested_map_fprop:
       raise ValueError(f'partition={p.partition!r} does not support '
                        "nested_map_fprop=True; use 'params', 'uniform' or a "
@@ -240,25 +242,11 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       shape = x.shape.as_list()
       shape[p.batch_dim] //= num_micro
       shapes.append(shape)
-    self._Partition(
-        costs_lib.CellCosts(self._cells, p.partition, input_shapes=shapes))
+    return costs_lib.CellCosts(self._cells, p.partition, input_shapes=shapes)
 
   def NumMicroBatches(self, batch_size):
-    """M for a mini-batch of `batch_size` (None if unknown statically).
-
-    Args:
-      batch_size: The static batch size, or None.
-
-    Returns:
-      M.
-
-    Raises:
-      ValueError: if the batch does not split into M (or micro_batch_size)
-        micro-batches, or both are set and their product is not the batch.
-    """
-    p = self.params
-    return config.NumMicroBatches(batch_size, p.num_micro_batches,
-                                  p.micro_batch_size)
+    """M for a mini-batch of `batch_size` (`PipelinedCall.NumMicroBatches`)."""
+    return self._pipelined_call.NumMicroBatches(batch_size)
 
   def StageDevices(self):
     """The device of every stage (see `placement.StageDevices`).
@@ -293,12 +281,12 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     return devices
 
   def Engine(self, num_micro_batches):
-    """The engine that builds a step with M micro-batches: unrolled or loop."""
-    p = self.params
-    return schedule.ChooseEngine(p.engine, self.num_stages, num_micro_batches,
-                                 p.remat, compiled_by_xla=py_utils.use_tpu(),
-                                 schedule=p.schedule,
-                                 virtual_stages=p.virtual_stages)
+    """The engine that builds a step with M micro-batches: unrolled or loop.
+
+    'loop' for engine='auto' when XLA compiles the step (`engine.xla`: under
+    `jit_compile=True`, in TPU replication, on TPU stage devices).
+    """
+    return self._pipelined_call.Engine(num_micro_batches, self.StageDevices())
 
   def BubbleFraction(self, batch_size):
     """The idle fraction (K - 1) / (M v + K - 1) of a step with this batch."""
@@ -333,21 +321,18 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       flat_inputs = args[0].Flatten()
     else:
       flat_inputs = list(args)
-    num_micro = self.NumMicroBatches(
-        microbatch.StaticBatchSize(flat_inputs, p.batch_dim))
-    if self._partition is None:
-      self._PartitionFromMicroBatch(flat_inputs, num_micro)
     training = not self.do_eval
-    if not training and self.num_stages == 1:
-      num_micro = 1  # Without a backward pass there is nothing to overlap.
-
-    stage_cells = config.ChunkCells(self._cells, self._partition)
+    num_micro = self._pipelined_call.Prepare(
+        flat_inputs, training,
+        functools.partial(self._MicroBatchCosts, flat_inputs))
+    partition = self._pipelined_call.partition
+    stage_cells = config.ChunkCells(self._cells, partition)
     boundaries = (cells_lib.StageBoundaries(self.num_chunks, args[0])
                   if p.nested_map_fprop else None)
     skips = cells_lib.SkipValues(config.ChunkSkips(
         config.CheckSkips([c.params.name for c in self._cells], p.skips),
-        self._partition))
-    firsts = [sum(self._partition[:k]) for k in range(self.num_chunks)]
+        partition))
+    firsts = [sum(partition[:k]) for k in range(self.num_chunks)]
     stage_fns = [
         cells_lib.StageFunction(cells, boundaries, k, first, skips)
         for k, (cells, first) in enumerate(zip(stage_cells, firsts))
@@ -361,23 +346,10 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
             {c.params.name: c.GetAccumulatorValues() for c in cells})
         for cells in stage_cells
     ]
-    engine = pipeline.Pipeline(
-        stage_fns,
-        self.StageDevices(),
-        num_micro,
-        batch_dim=p.batch_dim,
-        remat=p.remat,
-        engine=self.Engine(num_micro),
-        schedule=p.schedule,
-        virtual_stages=p.virtual_stages,
-        skips=skips.skips.chunk_skips,
-        name='gpipe')
-    outputs, states = engine(
-        thetas,
-        flat_inputs,
-        states,
-        step=py_utils.GetGlobalStep(),
-        training=training)
+    outputs, states = self._pipelined_call.Run(
+        stage_fns, self.StageDevices(), thetas, flat_inputs, states,
+        num_micro, training, step=py_utils.GetGlobalStep(),
+        skips=skips.skips.chunk_skips)
     if training:
       # Eval accumulates nothing; its state stays inside this trace (Lingvo's
       # eager evaler traces its eval function twice).

@@ -196,7 +196,9 @@ def testStageOpsArePlacedOnTpuCores(num_stages, lingvo_cluster):
   """Stage k's forward and gradient ops go to the replica's logical core k.
 
   With explicit devices from `TpuStageDevices`, or from Lingvo's TPU cluster
-  (`--worker_split_size=K`), which gives the same devices. Built, not run.
+  (`--worker_split_size=K`), which gives the same devices. Built, not run,
+  with the unrolled engine, whose op names say chunk and micro-batch (on TPU
+  devices engine='auto' builds the loop engine: XLA compiles the step).
 
   Args:
     num_stages: K.
@@ -213,8 +215,8 @@ def testStageOpsArePlacedOnTpuCores(num_stages, lingvo_cluster):
   with cluster, graph.as_default():
     py_utils.GetOrCreateGlobalStepVar()
     pipe = test_util.PipeParams(test_util.FCCells(), num_stages=num_stages,
-                                num_micro_batches=2,
-                                devices=devices).Instantiate()
+                                num_micro_batches=2, devices=devices,
+                                engine='unrolled').Instantiate()
     y = pipe.FProp(pipe.theta, tf.zeros([8, 8]))
     tf.gradients(tf.reduce_sum(y * y), pipe.vars.Flatten())
   devices = collections.defaultdict(set)

@@ -9,10 +9,9 @@
     model.fit(x, y, batch_size=64)
 
 The Keras front end of the engine that also runs `GPipeSequentialLayer`: the
-same checks and error messages (`planning.config`), partitions
-(`planning.partition`, `planning.report`), engine choice
-(`planning.schedule.ChooseEngine`), placement (`engine.placement`) and
-pipeline (`engine.pipeline`). Only the cells differ: Keras layers called
+same checks and error messages (`planning.config`), placement
+(`engine.placement`) and pipelined call (`engine.call`: M, partition and its
+plan, engine choice, eval). Only the cells differ: Keras layers called
 statelessly, their seeds and batch-norm statistics as stage state
 (`keras/stages.py`).
 
@@ -24,42 +23,25 @@ shapes and to the plain model (`get_weights` / `set_weights`, and weight
 files of models that differ only in the pipeline shape).
 """
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from absl import logging
 import keras
 import tensorflow as tf
-try:  # Private: see _CompiledByXla.
-  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
-  from tensorflow.python.ops import control_flow_util as _control_flow_util
-  # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
-except ImportError:
-  _control_flow_util = None
 
-from lingvo_gpipe.engine import microbatch
-from lingvo_gpipe.engine import pipeline
+from lingvo_gpipe.engine import call as call_lib
 from lingvo_gpipe.engine import placement
 from lingvo_gpipe.keras import costs as costs_lib
 from lingvo_gpipe.keras import devices as devices_lib
 from lingvo_gpipe.keras import stages
 from lingvo_gpipe.planning import config
-from lingvo_gpipe.planning import partition as partition_lib
-from lingvo_gpipe.planning import report
 from lingvo_gpipe.planning import schedule as schedule_lib
 
 
-def _CompiledByXla() -> bool:
-  """Whether the graph being built is compiled by XLA (jit_compile=True).
-
-  `tf.function(jit_compile=True)`, which Keras uses for jit_compile models,
-  traces inside an XLA control-flow context; TensorFlow's
-  `control_flow_util.GraphOrParentsInXlaContext` (private) tells. Without it
-  the answer is False and engine='auto' picks as outside XLA.
-  """
-  if _control_flow_util is None or tf.executing_eagerly():
-    return False
-  return bool(_control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph()))
+def _LogPlan(plan: str) -> None:
+  """Logs a partition plan at INFO, as a record of this module."""
+  logging.info('%s', plan)
 
 
 def _CheckLayers(layers: Any) -> List[keras.layers.Layer]:
@@ -168,8 +150,15 @@ class GPipeSequential(keras.layers.Layer):
     self.devices = None if devices is None else list(devices)
     self._partition_arg = (partition if isinstance(partition, str) else
                            list(partition))
-    self._counts = None if shape.counts is None else list(shape.counts)
     self._logged_devices = None
+    # M, the partition and the engine, decided as for every front end.
+    self._pipelined_call = call_lib.PipelinedCall(
+        self.name, [layer.name for layer in layers], shape,
+        partition=self._partition_arg, num_micro_batches=num_micro_batches,
+        micro_batch_size=micro_batch_size, batch_dim=0, remat=remat,
+        engine=engine, schedule=schedule,
+        memory=lambda: costs_lib.VariableBytes(self._layers_list),
+        log_plan=_LogPlan)
 
   @property
   def layers(self) -> List[keras.layers.Layer]:
@@ -177,12 +166,12 @@ class GPipeSequential(keras.layers.Layer):
 
   @property
   def partition(self) -> Optional[List[int]]:
-    return None if self._counts is None else list(self._counts)
+    return self._pipelined_call.partition
 
   @property
   def num_chunks(self) -> int:
     """K v."""
-    return self.num_stages * self.virtual_stages
+    return self._pipelined_call.num_chunks
 
   def get_config(self) -> Dict[str, Any]:
     base = super().get_config()
@@ -217,10 +206,8 @@ class GPipeSequential(keras.layers.Layer):
     x = keras.KerasTensor(input_shape, dtype=self.input_dtype)
     for layer in self._layers_list:
       x = layer(x)
-    if self._partition_arg == 'params':
-      self._Partition(costs_lib.ParamCounts(self._layers_list))
-    elif self._counts is not None:
-      self._LogPlan(costs_lib.ParamCounts(self._layers_list))
+    self._pipelined_call.Plan(
+        lambda: costs_lib.ParamCounts(self._layers_list))
 
   def compute_output_spec(self, inputs, training=None):
     del training  # The output's shape and dtype do not depend on it.
@@ -229,29 +216,19 @@ class GPipeSequential(keras.layers.Layer):
       x = layer.compute_output_spec(x)
     return x
 
-  def _Partition(self, layer_costs: List[float]) -> None:
-    """Sets the cheapest partition for `layer_costs` and logs the plan."""
-    memory = costs_lib.VariableBytes(self._layers_list)
-    self._counts = partition_lib.PartitionCosts(layer_costs, self.num_chunks,
-                                                memory)
-    self._LogPlan(layer_costs, memory)
+  def _MicroBatchCosts(self, x: tf.Tensor, num_micro: int) -> List[float]:
+    """Per-layer 'profile' times on one micro-batch of `x`'s shape.
 
-  def _LogPlan(self, layer_costs: List[float],
-               memory: Optional[List[float]] = None) -> None:
-    """Logs each chunk's layers, cost, share and variable bytes."""
-    if memory is None:
-      memory = costs_lib.VariableBytes(self._layers_list)
-    logging.info(
-        '%s: partition=%r\n%s', self.name, self._partition_arg,
-        report.PartitionReport(
-            layer_costs, self._counts, memory=memory,
-            names=[layer.name for layer in self._layers_list]))
+    Args:
+      x: The first call's input.
+      num_micro: M.
 
-  def _Profile(self, x: tf.Tensor, num_micro: int) -> None:
-    """Decides a 'profile' partition from one micro-batch of `x`'s shape."""
-    if self.num_chunks == 1:
-      self._counts = [len(self._layers_list)]
-      return
+    Returns:
+      One time per layer (`costs.ProfileTimes`).
+
+    Raises:
+      ValueError: if the batch size is not static.
+    """
     shape = x.shape.as_list()
     if shape[0] is None:
       raise ValueError(
@@ -260,7 +237,7 @@ class GPipeSequential(keras.layers.Layer):
           f'{shape}. Give keras.Input a batch_size, call the model once on '
           "an array first, or use partition='params' or a list.")
     shape[0] //= num_micro
-    self._Partition(costs_lib.ProfileTimes(self._layers_list, shape, x.dtype))
+    return costs_lib.ProfileTimes(self._layers_list, shape, x.dtype)
 
   def StageDevices(self) -> List[str]:
     """The K devices of this replica's stages (see `keras/devices.py`)."""
@@ -277,16 +254,14 @@ class GPipeSequential(keras.layers.Layer):
     Raises:
       ValueError: if the batch does not split into M micro-batches.
     """
-    return config.NumMicroBatches(batch_size, self.num_micro_batches,
-                                  self.micro_batch_size)
+    return self._pipelined_call.NumMicroBatches(batch_size)
 
   def Engine(self, num_micro_batches: int) -> str:
-    """The engine that builds a call with M micro-batches here."""
-    return schedule_lib.ChooseEngine(self.engine, self.num_stages,
-                                     num_micro_batches, self.remat,
-                                     compiled_by_xla=_CompiledByXla(),
-                                     schedule=self.schedule,
-                                     virtual_stages=self.virtual_stages)
+    """The engine that builds a call with M micro-batches here.
+
+    'loop' for engine='auto' when XLA compiles the call (`engine.xla`).
+    """
+    return self._pipelined_call.Engine(num_micro_batches, self.StageDevices())
 
   @tf.autograph.experimental.do_not_convert
   def call(self, inputs, training=None):
@@ -311,28 +286,16 @@ class GPipeSequential(keras.layers.Layer):
     if training is not None and not isinstance(training, bool):
       raise ValueError(f'training={training!r} must be True, False or None.')
     training = bool(training)
-    num_micro = self.NumMicroBatches(
-        microbatch.StaticBatchSize([inputs], 0))
-    if self._counts is None:
-      self._Profile(inputs, num_micro)
-    if not training and self.num_stages == 1:
-      num_micro = 1  # Without a backward pass there is nothing to overlap.
+    num_micro = self._pipelined_call.Prepare(
+        [inputs], training, functools.partial(self._MicroBatchCosts, inputs))
     if inputs.shape[0] is None and num_micro > 1:
       inputs = self._CheckDynamicSplit(inputs, num_micro)
     chunks = [stages.Chunk(layers) for layers in
-              config.ChunkCells(self._layers_list, self._counts)]
-    pipe = pipeline.Pipeline(
+              config.ChunkCells(self._layers_list, self.partition)]
+    (outputs,), final_states = self._pipelined_call.Run(
         [chunk.StageFunction(training) for chunk in chunks],
-        self.StageDevices(),
-        num_micro,
-        remat=self.remat,
-        engine=self.Engine(num_micro),
-        schedule=self.schedule,
-        virtual_stages=self.virtual_stages,
-        name='gpipe')
-    (outputs,), final_states = pipe(
-        [chunk.Theta() for chunk in chunks], [inputs],
-        [chunk.InitialState() for chunk in chunks], training=training)
+        self.StageDevices(), [chunk.Theta() for chunk in chunks], [inputs],
+        [chunk.InitialState() for chunk in chunks], num_micro, training)
     if training:
       for chunk, state in zip(chunks, final_states):
         chunk.ApplyUpdates(state)
