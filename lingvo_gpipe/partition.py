@@ -3,7 +3,8 @@
 The implementation is `lingvo_gpipe.planning.partition`, which needs neither
 TensorFlow nor Lingvo.
 
-    counts = PartitionCosts([1, 4, 4, 4, 4, 8], num_stages=3)  # [3, 2, 1]
+    >>> PartitionCosts([1, 4, 4, 4, 4, 8], num_stages=3)
+    [3, 2, 1]
 """
 
 from lingvo_gpipe.planning import partition as _partition

@@ -3,12 +3,24 @@
 Pure Python, no TensorFlow. Profiled cells do not see what a pipeline adds
 around each call (the engine's nodes, the executor's work for every node);
 `plan.py auto` measures the step of `CalibrationCandidate` and sets
-`Profile.call_overhead_s` to what makes `predict.Predict` agree with it:
+`Profile.call_overhead_s` to what makes `predict.Predict` agree with it.
+Six cells predicted to step in 84 ms on two devices, measured at 94 ms (the
+fastest of a few real training steps of `candidate`):
 
-    candidate = CalibrationCandidate(profile, num_devices=2)
-    measured_s = ...  # a few real training steps of `candidate`, the fastest
-    profile = dataclasses.replace(profile, call_overhead_s=(
-        CalibrateCallOverhead(profile, candidate, measured_s)))
+    >>> fc = profile_lib.CellProfile(
+    ...     'fc', forward_s=profile_lib.Affine(1e-3, 1e-4),
+    ...     backward_s=profile_lib.Affine(2e-3, 2e-4), update_s=1e-3,
+    ...     activation_bytes=4e3, output_bytes=1e3, weight_bytes=4e6,
+    ...     gradient_bytes=4e6, slot_bytes=8e6)
+    >>> profile = profile_lib.Profile(cells=(fc,) * 6, input_bytes=1e3,
+    ...                               batch_size=32)
+    >>> candidate = CalibrationCandidate(profile, num_devices=2)
+    >>> candidate.Describe(), round(candidate.predicted_step_s, 4)
+    ("K=2 v=1 M=4 R=1 gpipe remat='never' [3, 3]", 0.084)
+    >>> call_s = CalibrateCallOverhead(profile, candidate, 0.094)
+    >>> round(call_s, 6)  # Per call of a chunk: 2 ms.
+    0.002
+    >>> profile = dataclasses.replace(profile, call_overhead_s=call_s)
 """
 
 import dataclasses

@@ -3,8 +3,12 @@
 Pure Python. Every check raises ValueError naming the parameter, its value and
 what would be valid, so that errors read the same wherever they come from.
 
-    CheckPositiveInt('num_micro_batches', 8)
-    PositiveInts('num_stages', '2,4,8')   # [2, 4, 8]
+    >>> CheckPositiveInt('num_micro_batches', 8)
+    >>> CheckPositiveInt('num_micro_batches', 0)
+    Traceback (most recent call last):
+    ValueError: num_micro_batches=0 must be a positive int.
+    >>> PositiveInts('num_stages', '2,4,8')
+    [2, 4, 8]
 """
 
 from typing import List, Sequence, Union

@@ -7,9 +7,10 @@ them before anything is built and says how the cells are cut into chunks;
 `NumMicroBatches` decides M from a batch. Errors name the parameter, its
 value and what would be valid, the same from either front end.
 
-    shape = CheckShape(['fc0', 'fc1', 'fc2', 'fc3'], num_stages=2,
-                       virtual_stages=2, partition='uniform')
-    shape.counts    # [1, 1, 1, 1]: cells per chunk; chunk c on device c % 2
+    >>> shape = CheckShape(['fc0', 'fc1', 'fc2', 'fc3'], num_stages=2,
+    ...                    virtual_stages=2, partition='uniform')
+    >>> shape.counts  # Cells per chunk; chunk c on device c % 2.
+    [1, 1, 1, 1]
 """
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union

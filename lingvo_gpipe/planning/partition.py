@@ -5,8 +5,10 @@ cells in each stage, in order. `PartitionCosts` finds the partition whose most
 expensive stage is as cheap as possible (exactly, not heuristically); ties go
 to the partition whose largest stage memory is smallest.
 
-    PartitionCosts([1, 4, 4, 4, 4, 8], num_stages=3)   # [3, 2, 1]: 9, 8, 8
-    Imbalance([1, 4, 4, 4, 4, 8], [3, 2, 1])           # 9 / (25 / 3) = 1.08
+    >>> PartitionCosts([1, 4, 4, 4, 4, 8], num_stages=3)  # Costs 9, 8, 8.
+    [3, 2, 1]
+    >>> round(Imbalance([1, 4, 4, 4, 4, 8], [3, 2, 1]), 2)  # 9 / (25 / 3)
+    1.08
 """
 
 from typing import List, Optional, Sequence

@@ -1,11 +1,24 @@
 """The planner's cost model: a configuration's step time and per-device peak.
 
 Pure Python, no TensorFlow. `Predict` turns a `profile.Profile`, a
-`profile.PipelineShape` and a partition into a `profile.Candidate`:
+`profile.PipelineShape` and a partition into a `profile.Candidate`. Six
+cells of 1 ms + 0.1 ms per example forward, twice that backward, on K = 2
+devices:
 
-    shape = PipelineShape(num_stages=2, num_micro_batches=4, remat='never')
-    candidate = Predict(profile, shape, [3, 3], memory_per_device=2**30)
-    candidate.predicted_step_s, candidate.peak_terms
+    >>> from lingvo_gpipe.planning.profile import Affine, CellProfile
+    >>> fc = CellProfile('fc', forward_s=Affine(1e-3, 1e-4),
+    ...                  backward_s=Affine(2e-3, 2e-4), update_s=1e-3,
+    ...                  activation_bytes=4e3, output_bytes=1e3,
+    ...                  weight_bytes=4e6, gradient_bytes=4e6, slot_bytes=8e6)
+    >>> profile = profile_lib.Profile(cells=(fc,) * 6, input_bytes=1e3,
+    ...                               batch_size=32)
+    >>> shape = profile_lib.PipelineShape(num_stages=2, num_micro_batches=4,
+    ...                                   remat='never')
+    >>> candidate = Predict(profile, shape, [3, 3], memory_per_device=2**30)
+    >>> round(candidate.predicted_step_s, 4), candidate.fits
+    (0.084, True)
+    >>> candidate.peak_terms['optimizer_slots']  # Device 0's three cells.
+    24000000.0
 
 The model of time: the schedule table simulated (`simulate.Simulate`) with
 per-chunk forward and backward times (each cell's time is affine in the

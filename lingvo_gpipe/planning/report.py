@@ -2,7 +2,21 @@
 
 Pure Python and numpy, for logs and the planning tool:
 
-    print(PartitionReport([1, 4, 4, 4, 8], [3, 2], names=names))
+    >>> names = ['emb', 'fc0', 'fc1', 'fc2', 'fc3', 'softmax']
+    >>> print(PartitionReport([1, 4, 4, 4, 4, 8], [3, 2, 1], names=names))
+    6 cells, 3 stages, total cost 25, ideal stage cost 8.333.
+    Partition [3, 2, 1]:
+      stage  cells         n        cost   share
+          0  emb .. fc1    3           9   36.0%
+          1  fc2 .. fc3    2           8   32.0%
+          2  softmax       1           8   32.0%
+      imbalance (largest stage / ideal): 1.080
+    Lingvo's heuristic (PartitionSequentialLayers) [2, 2, 2]:
+      stage  cells             n        cost   share
+          0  emb .. fc0        2           5   20.0%
+          1  fc1 .. fc2        2           8   32.0%
+          2  fc3 .. softmax    2          12   48.0%
+      imbalance (largest stage / ideal): 1.440
 
 `PartitionSummary` gives the same numbers as a JSON-ready dict.
 """

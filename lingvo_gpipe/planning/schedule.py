@@ -9,9 +9,12 @@ engines build their calls from it, the simulator times it, the memory model
 walks it, the timeline draws it. `Validate` checks every table before use.
 
     >>> table = BuildTable('gpipe', num_devices=2, num_micro_batches=2)
-    >>> [[str(a) for a in tick] for tick in table.ticks]
-    [['F0.0', '-'], ['F0.1', 'F1.0'], ['-', 'F1.1'], ['-', 'B1.1'],
-     ['B0.1', 'B1.0'], ['B0.0', '-']]
+    >>> print(table)
+    gpipe: K=2 v=1 M=2, 6 ticks
+    device 0: F0.0 F0.1    -    - B0.1 B0.0
+    device 1:    - F1.0 F1.1 B1.1 B1.0    -
+    >>> table.ticks[2]  # Device 0 idle, device 1's forward of micro-batch 1.
+    (None, Action(phase='forward', chunk=1, micro_batch=1))
 
 (`F<chunk>.<micro-batch>` is a forward, `B...` a backward, `-` idle.) The
 rule of which calls re-materialize, the engines' names and 'auto' live here

@@ -7,12 +7,22 @@ replicas), M micro-batches, every schedule of `schedule.SCHEDULES` the model
 can run, v virtual stages and every remat mode; `PlanPartition` gives each
 its partition (the exact min-max partition, under a memory limit if the
 fastest partition does not fit) and `predict.Predict` its step time and
-per-device peak; `Search` ranks them (`RankKey`).
+per-device peak; `Search` ranks them (`RankKey`). Six cells whose weights,
+gradients and Adam slots (16 MB a cell) do not fit one device of 64 MiB:
 
-    profile = Profile.FromJson(json.load(open('profile.json')))
-    result = Search(profile, num_devices=2, memory_per_device=2**30)
-    best = result.candidates[result.chosen]
-    print(best.num_stages, best.num_micro_batches, best.predicted_step_s)
+    >>> cells = [profile_lib.CellProfile(
+    ...     f'fc{i}', forward_s=profile_lib.Affine(1e-3, 1e-4),
+    ...     backward_s=profile_lib.Affine(2e-3, 2e-4), update_s=1e-3,
+    ...     activation_bytes=4e3, output_bytes=1e3, weight_bytes=4e6,
+    ...     gradient_bytes=4e6, slot_bytes=8e6) for i in range(6)]
+    >>> model = profile_lib.Profile(cells=tuple(cells), input_bytes=1e3,
+    ...                             batch_size=32)
+    >>> result = Search(model, num_devices=2, memory_per_device=2**26)
+    >>> best = result.candidates[result.chosen]
+    >>> best.Describe()
+    "K=2 v=3 M=2 R=1 gpipe remat='never' [1, 1, 1, 1, 1, 1]"
+    >>> round(best.predicted_step_s, 4), best.fits
+    (0.0576, True)
 
 `search_report` turns a `SearchResult` into the text `plan.py auto` prints.
 """

@@ -4,11 +4,29 @@ Pure Python, no TensorFlow. `search.Search` ranks configurations; this
 module says it in text: `FormatTable` the ranked candidates, `Reason` why the
 winner won (or `NothingFits` why there is none, with the term that dominates
 the smallest peak), `OverrideLines` the `--model_params_override` lines that
-select a candidate, `FormatBytes` sizes in binary units:
+select a candidate, `FormatBytes` sizes in binary units. Six cells (16 MB
+of weights, gradients and slots each) do not fit two devices of 40 MB:
 
-    result = search.Search(profile, num_devices=2, memory_per_device=2**30)
-    print(FormatTable(result, top=10))
-    print(Reason(result))
+    >>> Affine = profile_lib.Affine
+    >>> fc = profile_lib.CellProfile(
+    ...     'fc', Affine(1e-3, 1e-4), Affine(2e-3, 2e-4), update_s=1e-3,
+    ...     activation_bytes=4e3, output_bytes=1e3, weight_bytes=4e6,
+    ...     gradient_bytes=4e6, slot_bytes=8e6)
+    >>> model = profile_lib.Profile(cells=(fc,) * 6, input_bytes=1e3,
+    ...                             batch_size=32)
+    >>> result = search.Search(model, num_devices=2, memory_per_device=40e6)
+    >>> print(FormatTable(result, top=2))  # Its columns are wider.
+    rank K v M R schedule remat       engine   step ms     peak fits partition
+    ------------------------------------------------------------------------...
+       0 2 1 1 1 gpipe    except_last unrolled   78.60 49.6 MiB  no  [3, 3]
+       1 2 1 1 1 gpipe    never       unrolled   78.60 49.6 MiB  no  [3, 3]
+    (67 more; --json_out lists every candidate)
+    >>> print(Reason(result))
+    nothing fits memory_per_device=40000000 (38.1 MiB): the smallest
+    predicted peak is 52000000 bytes (49.6 MiB, K=2 v=1 M=1 R=1 gpipe
+    remat='except_last' [3, 3], device 0), dominated by optimizer_slots:
+    22.9 MiB (46%). Give more memory per device, more devices or a smaller
+    batch.
 
 `report` has the other tables of plan.py, those of a partition's stages.
 """

@@ -228,13 +228,15 @@ def Simulate(table: schedule.Table,
   Each device runs its actions in table order, one at a time. Timing, two
   ways:
 
-  * dataflow (the unrolled engine; `lockstep=False`): an action starts once
-    its device is free and the actions it needs have ended (the previous
-    chunk's forward of the micro-batch; the next chunk's backward and its
-    own forward; with the loss outside the pipeline, every forward of the
-    last chunk), plus `transfer_cost` for what comes from another device;
-  * lockstep (the loop engine): tick t starts when every action of tick
-    t - 1 has ended, and lasts as long as its longest action (plus
+  * dataflow (`lockstep=False`: the unrolled engine, and the loop engine's
+    per-device loops in a TF1 graph): an action starts once its device is
+    free and the actions it needs have ended (the previous chunk's forward
+    of the micro-batch; the next chunk's backward and its own forward; with
+    the loss outside the pipeline, every forward of the last chunk), plus
+    `transfer_cost` for what comes from another device;
+  * lockstep (the loop engine's one loop for all devices, inside
+    `tf.function`, under XLA or eager): tick t starts when every action of
+    tick t - 1 has ended, and lasts as long as its longest action (plus
     `transfer_cost` if an action of the tick reads from another device)
     plus `tick_overhead`.
 

@@ -5,11 +5,19 @@ trainable parameters, and `partition.PartitionCosts(memory=...)` its
 variables' bytes. The front ends hand over each cell's variables (Lingvo's
 `cell.vars.Flatten()` in `lingvo_gpipe.costs`, a Keras layer's `variables`
 in `lingvo_gpipe.keras.costs`): anything with a `shape` (ints), a `dtype`
-and a `trainable` flag, which TensorFlow and Keras variables both have.
+and a `trainable` flag, which TensorFlow and Keras variables both have
+(their `dtype_size` is `lambda dtype: dtype.size`). A dense cell and a batch
+norm's scale and moving mean:
 
-    counts = ParamCounts([cell.vars.Flatten() for cell in cells])
-    memory = VariableBytes([cell.vars.Flatten() for cell in cells],
-                           dtype_size=lambda dtype: dtype.size)
+    >>> from types import SimpleNamespace as Var
+    >>> dense = [Var(shape=(64, 32), dtype='float32', trainable=True),
+    ...          Var(shape=(32,), dtype='float32', trainable=True)]
+    >>> norm = [Var(shape=(32,), dtype='float32', trainable=True),
+    ...         Var(shape=(32,), dtype='float32', trainable=False)]
+    >>> ParamCounts([dense, norm])
+    [2080.0, 32.0]
+    >>> VariableBytes([dense, norm], dtype_size={'float32': 4}.get)
+    [8320.0, 256.0]
 """
 
 import math

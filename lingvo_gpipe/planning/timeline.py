@@ -1,11 +1,19 @@
 """Pictures and traces of a training step's events (simulated or measured).
 
-Pure Python; `DrawTimeline` imports matplotlib when called.
+Pure Python; `DrawTimeline` imports matplotlib when called. A simulated
+GPipe step of K = 4, M = 8 as a picture and a trace:
 
-    table = schedule.BuildTable('gpipe', 4, 8)
-    sim = simulate.Simulate(table, [1.0] * 4, [2.0] * 4)
-    DrawTimeline(sim.events, 4, '/tmp/step.png', 'K=4, M=8')
-    WriteChromeTrace(sim.events, 4, '/tmp/step.json', 'K=4, M=8')
+    >>> import os, shutil, tempfile
+    >>> from lingvo_gpipe.planning import schedule
+    >>> table = schedule.BuildTable('gpipe', 4, 8)
+    >>> sim = simulate.Simulate(table, [1.0] * 4, [2.0] * 4)
+    >>> out = tempfile.mkdtemp()
+    >>> DrawTimeline(sim.events, 4, os.path.join(out, 'step.png'), 'K=4, M=8')
+    >>> WriteChromeTrace(sim.events, 4, os.path.join(out, 'step.json'),
+    ...                  'K=4, M=8')
+    >>> sorted(os.listdir(out))
+    ['step.json', 'step.png']
+    >>> shutil.rmtree(out)
 """
 
 import collections
