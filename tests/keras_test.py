@@ -109,9 +109,9 @@ def _Compiled(model_body, jit_compile, seed=0):
   return model
 
 
-@pytest.mark.parametrize(
-    'jit_compile', [False, pytest.param(True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize('num_stages,num_micro_batches', [(2, 4), (4, 8)])
+@pytest.mark.parametrize('num_stages,num_micro_batches,jit_compile', [
+    (2, 4, False), (4, 8, False),
+    pytest.param(2, 4, True, marks=pytest.mark.slow)])
 def testThreeFitStepsLeaveTheSameWeights(num_stages, num_micro_batches,
                                          jit_compile):
   plain_body, pipe_body = Models(DenseLayers, num_stages=num_stages,

@@ -23,12 +23,12 @@ TR_PADDINGS = np.zeros([5, 8], np.float32)
 TR_PADDINGS[3:, :4] = 1.0
 CIRCULAR_INPUT = RNG.randn(32, 8).astype(np.float32)
 
-KS = (1, 2, 4)
-MS = (1, 2, 4, 8)
+# (K, M): for each K, fewer micro-batches than stages, as many, and more
+# (M = 2 and M = 4 above K run the same schedule shape; one of them is kept).
+FC_SHAPES = [(1, 1), (1, 8), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (4, 8)]
 
 
-@pytest.mark.parametrize('k', KS)
-@pytest.mark.parametrize('m', MS)
+@pytest.mark.parametrize('k,m', FC_SHAPES)
 def testFCTransparentInGraph(k, m, engine):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
                            num_micro_batches=m, engine=engine)
@@ -36,8 +36,7 @@ def testFCTransparentInGraph(k, m, engine):
   engine_util.AssertTransparent(pipe, ref)
 
 
-@pytest.mark.parametrize('k', KS)
-@pytest.mark.parametrize('m', MS)
+@pytest.mark.parametrize('k,m', FC_SHAPES)
 def testFCTransparentInFunction(k, m, engine):
   p = test_util.PipeParams(test_util.FCCells(), num_stages=k,
                            num_micro_batches=m, engine=engine)
@@ -50,10 +49,14 @@ def _CircularCells():
 
 
 CIRCULAR_SHAPES = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)]
+# (K, v, M): each (K, v) with fewer micro-batches than devices, as many, and
+# more, where K allows.
+CIRCULAR_GRID = [(1, 2, 1), (1, 2, 4), (1, 4, 2), (1, 4, 8), (2, 2, 1),
+                 (2, 2, 2), (2, 2, 4), (2, 4, 2), (2, 4, 8), (4, 2, 1),
+                 (4, 2, 4), (4, 2, 8)]
 
 
-@pytest.mark.parametrize('k,v', CIRCULAR_SHAPES)
-@pytest.mark.parametrize('m', MS)
+@pytest.mark.parametrize('k,v,m', CIRCULAR_GRID)
 def testCircularTransparentInGraph(k, v, m, engine):
   """8 FC cells as K v chunks (K v <= 8), chunk c on device c % K."""
   _CheckCircularInGraph(k, v, m, engine)

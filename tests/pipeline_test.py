@@ -72,15 +72,20 @@ def _CheckTransparentInGraph(engine, k, virtual_stages, micro_batches):
       assert calls == [m] * k * virtual_stages  # Each chunk, each micro-batch.
 
 
+# M per K: fewer micro-batches than devices, as many, and more (M = 2 and
+# M = 4 above K run the same schedule shape; one of them is kept).
+MICRO_BATCHES_PER_K = {1: (1, 8), 2: (1, 2, 4), 4: (2, 4, 8)}
+
+
 def testTransparentInGraphAllRematModes(engine):
   for k in (1, 2, 4):
-    _CheckTransparentInGraph(engine, k, 1, (1, 2, 4, 8))
+    _CheckTransparentInGraph(engine, k, 1, MICRO_BATCHES_PER_K[k])
 
 
 @pytest.mark.parametrize('k,v', [(1, 2), (1, 4), (2, 2)])
 def testCircularTransparentInGraphAllRematModes(engine, k, v):
   """4 layers as K v chunks, chunk c on device c % K, every remat mode."""
-  _CheckTransparentInGraph(engine, k, v, (1, 2, 4, 8))
+  _CheckTransparentInGraph(engine, k, v, MICRO_BATCHES_PER_K[k])
 
 
 @pytest.mark.parametrize('jit_compile', [False, True])
@@ -465,7 +470,7 @@ SKIPS = [(0, 2), (1, 3), (0, None), (0, 3)]
 @pytest.mark.parametrize('k,v', [(1, 4), (2, 2), (4, 1)])
 def testSkipsAreTransparent(engine, k, v):
   """4 chunks with skips 0->2, 1->3, 0->output, 0->3 vs the plain chunks."""
-  for m in (1, 4, 8):
+  for m in sorted({1, 2 * k}):
     for remat in ('always', 'never'):
       graph = tf.Graph()
       with graph.as_default():
