@@ -16,14 +16,31 @@ by `PipelinedCall`, once for all of them:
 * the run (`pipeline.Pipeline`), for eval (training=False) without backward
   work: no recompute, the forward ticks of a GPipe table, nothing kept.
 
-    call = PipelinedCall('pipe', ['fc0', 'fc1', 'fc2', 'fc3'], shape,
-                         partition='params', num_micro_batches=4,
-                         micro_batch_size=None, batch_dim=0, remat='always',
-                         engine='auto', schedule='gpipe', memory=None)
-    call.Plan(lambda: [64.0, 64.0, 64.0, 64.0])    # [2, 2], logged
-    m = call.Prepare([x], training=True)           # 4
-    outputs, states = call.Run(stage_fns, ['/cpu:0', '/cpu:1'],
-                               thetas, [x], states, m, training=True)
+Four cells of a matmul each, cut by their parameters into two stages:
+
+    >>> names = ['fc0', 'fc1', 'fc2', 'fc3']
+    >>> shape = config.CheckShape(names, num_stages=2, partition='params')
+    >>> call = PipelinedCall('pipe', names, shape, partition='params',
+    ...                      num_micro_batches=4, micro_batch_size=None,
+    ...                      batch_dim=0, remat='always', engine='auto',
+    ...                      schedule='gpipe', memory=None)
+    >>> call.Plan(lambda: [16.0, 48.0, 32.0, 32.0])  # Decided and logged.
+    >>> call.partition
+    [2, 2]
+    >>> x = tf.ones([8, 2])
+    >>> m = call.Prepare([x], training=True)
+    >>> m, call.Engine(m, ['/cpu:0', '/cpu:1'])
+    (4, 'unrolled')
+    >>> def Chunk(theta, inputs, state, micro_batch_id):
+    ...   (y,) = inputs
+    ...   for w in theta:  # One weight per cell of the chunk.
+    ...     y = tf.matmul(y, w)
+    ...   return (y,), state
+    >>> thetas = [[tf.eye(2), tf.eye(2)], [tf.eye(2), 2.0 * tf.eye(2)]]
+    >>> (y,), states = call.Run([Chunk, Chunk], ['/cpu:0', '/cpu:1'], thetas,
+    ...                         [x], [(), ()], m, training=True)
+    >>> y.numpy()[0].tolist(), states
+    ([2.0, 2.0], [(), ()])
 """
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
@@ -53,11 +70,19 @@ def _LogPlan(plan: str) -> None:
 class PipelinedCall:
   """The decisions of a front end's pipelined call, made at the first call.
 
-      call = PipelinedCall(name, cell_names, shape, partition='uniform',
-                           num_micro_batches=4, ...)
-      m = call.Prepare(inputs, training)
-      outputs, states = call.Run(fns, devices, thetas, inputs, states, m,
-                                 training)
+  A front end calls `Plan` once its cells exist, then per call `Prepare` and
+  `Run` (the module docstring has a whole call). On one stage, eval runs the
+  batch as one micro-batch:
+
+      >>> call = PipelinedCall(
+      ...     'eval', ['fc0', 'fc1'],
+      ...     config.CheckShape(['fc0', 'fc1'], num_stages=1),
+      ...     partition='uniform', num_micro_batches=4, micro_batch_size=None,
+      ...     batch_dim=0, remat='always', engine='auto', schedule='gpipe',
+      ...     memory=None)
+      >>> batch = [tf.ones([8, 2])]
+      >>> call.Prepare(batch, training=True), call.Prepare(batch, training=False)
+      (4, 1)
 
   Attributes:
     name: The front end's layer name, first in the plan log.

@@ -5,15 +5,24 @@ own `_Send`/`_Recv`, which its graph partitioner inserts between devices).
 The loop engine's per-device loops pass a chunk's outputs and gradients over
 channels, as Lingvo's `StackedRecurrent` does: the k-th Recv of a channel in
 one step gets the tensor of its k-th Send. Keys carry no loop frame, so both
-ends must sit in functional (unlowered) While loops, and XLA compiles
-neither op.
+ends must sit in functional (unlowered) While loops, or outside loops as
+here, and XLA compiles neither op.
 
-    ch = Channel(tf.TensorSpec([4, 8], tf.float32), send_device, recv_device,
-                 'edge1_data')
-    with tf.device(send_device):
-      sent = ch.Send(y)
-    with tf.device(recv_device):
-      y = ch.Recv()
+    >>> send_device = FullDeviceName('/cpu:0')
+    >>> send_device
+    '/job:localhost/replica:0/task:0/device:CPU:0'
+    >>> ch = Channel(tf.TensorSpec([2], tf.float32), send_device,
+    ...              FullDeviceName('/cpu:1'), 'edge1_data')
+    >>> with tf.Graph().as_default():
+    ...   with tf.device(send_device):
+    ...     sent = ch.Send(tf.constant([1.0, 2.0]))
+    ...   with tf.device(ch.recv_device):
+    ...     y = ch.Recv()
+    ...   config = tf.compat.v1.ConfigProto(device_count={'CPU': 2})
+    ...   with tf.compat.v1.Session(config=config) as session:
+    ...     _, received = session.run([sent, y])
+    >>> received.tolist()
+    [1.0, 2.0]
 """
 
 import itertools

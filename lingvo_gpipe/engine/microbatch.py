@@ -3,9 +3,15 @@
 Inputs are flat sequences whose entries are tensors or None (None stays None in
 every micro-batch). Everything is split along one batch dimension.
 
-    size = MicroBatchSize(batch_size=32, num_micro_batches=4)   # 8
-    parts = Split([x, None], num_micro_batches=4, batch_dim=0)  # 4 x [x_i, None]
-    x_again = Merge(parts, batch_dim=0)[0]
+    >>> MicroBatchSize(batch_size=8, num_micro_batches=4)
+    2
+    >>> x = tf.reshape(tf.range(16.0), [8, 2])
+    >>> parts = Split([x, None], num_micro_batches=4, batch_dim=0)
+    >>> len(parts), parts[1][0].numpy().tolist(), parts[1][1]
+    (4, [[4.0, 5.0], [6.0, 7.0]], None)
+    >>> x_again, none = Merge(parts, batch_dim=0)
+    >>> bool(tf.reduce_all(x_again == x)), none
+    (True, None)
 """
 
 from typing import Any, List, Optional, Sequence

@@ -7,11 +7,14 @@ ends (`lingvo_gpipe.batchnorm` for Lingvo, `lingvo_gpipe.keras` for Keras)
 thread a [3, ...] tensor of rows (count, mean, variance) through the
 micro-batches as stage state and fold each micro-batch in with
 `CombineMoments`; the result is exactly the whole mini-batch's moments.
+A batch of four examples of one channel in two micro-batches:
 
-    acc = ZeroMoments([64])
-    for mean, variance, count in micro_batch_moments:
-      acc = CombineMoments(acc, Moments(count, mean, variance))
-    mean, variance = acc[MEAN], acc[VARIANCE]
+    >>> acc = ZeroMoments([1])
+    >>> for micro_batch in ([[0.0], [2.0]], [[4.0], [6.0]]):
+    ...   mean, variance = tf.nn.moments(tf.constant(micro_batch), axes=[0])
+    ...   acc = CombineMoments(acc, Moments(2, mean, variance))
+    >>> acc.numpy().tolist()  # Count, mean and variance of [0, 2, 4, 6].
+    [[4.0], [3.0], [5.0]]
 """
 
 import tensorflow as tf

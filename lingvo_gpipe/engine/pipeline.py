@@ -4,22 +4,38 @@ Knows TensorFlow, not Lingvo. A stage (chunk) function maps
 `(theta, inputs, state, micro_batch_id)` to `(outputs, state)` (see
 `stage.py`). The engine splits the inputs into micro-batches, runs chunk c on
 micro-batch m under `tf.device(devices[c mod K])` in the order of a schedule
-table (`planning.schedule`: GPipe, circular when there are v > 1 chunks per
-device), re-materializes calls in the backward pass as the remat mode says,
-and concatenates the last chunk's outputs back in order. Gradients of the M
-micro-batches add up to the gradient of the mini-batch, so the step is the
-same as without the pipeline. It builds in TF1 graph mode, inside
-`tf.function` and under XLA (`jit_compile=True`).
+table (`planning.schedule`: GPipe or 1F1B, circular or interleaved when there
+are v > 1 chunks per device), re-materializes calls in the backward pass as
+the remat mode says, and concatenates the last chunk's outputs back in order.
+Gradients of the M micro-batches add up to the gradient of the mini-batch, so
+the step is the same as without the pipeline. It builds in TF1 graph mode,
+inside `tf.function` and under XLA (`jit_compile=True`).
 
 Two engines build the same step from the same table: 'unrolled'
 (`unrolled.py`, C x M calls in the graph) and 'loop' (`loop.py`, while loops
-over the table's ticks: the graph does not grow with M).
+over the table's ticks: the graph does not grow with M). Four chunks on two
+devices (v = 2), four micro-batches:
 
-    pipe = Pipeline([fn0, fn1, fn2, fn3], devices=['/cpu:0', '/cpu:1'],
-                    num_micro_batches=4, remat='always', engine='loop',
-                    virtual_stages=2)
-    outputs, states = pipe([theta0, theta1, theta2, theta3], [x],
-                           step=global_step)
+    >>> def Chunk(theta, inputs, state, micro_batch_id):
+    ...   (x,) = inputs
+    ...   return (tf.tanh(tf.matmul(x, theta)),), state
+    >>> pipe = Pipeline([Chunk] * 4, devices=['/cpu:0', '/cpu:1'],
+    ...                 num_micro_batches=4, remat='always', engine='loop',
+    ...                 virtual_stages=2)
+    >>> print(pipe.table)
+    gpipe: K=2 v=2 M=4, 18 ticks
+    device 0: F0.0 F0.1 F2.0 F2.1 F0.2 F0.3 F2.2 F2.3 ... B0.1 B0.0
+    device 1:    - F1.0 F1.1 F3.0 F3.1 F1.2 F1.3 F3.2 ... B1.1 B1.0    -
+    >>> thetas = [tf.eye(8) * 0.5 for _ in range(4)]
+    >>> @tf.function
+    ... def Step(x):
+    ...   with tf.GradientTape() as tape:
+    ...     tape.watch(thetas)
+    ...     (y,), _ = pipe(thetas, [x], step=tf.constant(0))
+    ...   return y, tape.gradient(tf.reduce_sum(y), thetas)
+    >>> y, grads = Step(tf.ones([16, 8]))
+    >>> y.shape, len(grads)
+    (TensorShape([16, 8]), 4)
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -40,7 +56,7 @@ assert tuple(_ENGINES) == schedule_lib.ENGINES
 
 
 class Pipeline:
-  """Runs stage functions as a GPipe pipeline.
+  """Runs chunk functions over micro-batches in the order of a schedule table.
 
   Attributes:
     num_stages: K.

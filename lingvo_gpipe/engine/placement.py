@@ -10,8 +10,17 @@ rules of `StageDevices`, first match wins:
 4. the first K local logical devices of one type (GPU, then CPU);
 5. otherwise the default device for every stage, with a warning.
 
-    StageDevices(4, explicit=None, model_split=None)
-    # ['/job:localhost/replica:0/task:0/device:CPU:0', ..., '...CPU:3']
+With four logical CPU devices (as tests/conftest.py makes):
+
+    >>> StageDevices(2, explicit=['/cpu:1', '/cpu:0'])
+    ['/cpu:1', '/cpu:0']
+    >>> StageDevices(2, model_split=['/job:trainer/device:CPU:0',
+    ...                              '/job:trainer/device:CPU:1'])
+    ['/job:trainer/device:CPU:0', '/job:trainer/device:CPU:1']
+    >>> StageDevices(1)
+    ['']
+    >>> [device.split('/')[-1] for device in StageDevices(4)]
+    ['device:CPU:0', 'device:CPU:1', 'device:CPU:2', 'device:CPU:3']
 
 TPU placement is `tpu.py`.
 """

@@ -11,9 +11,24 @@ Its custom gradient
 * runs on the stage's device (tf.gradients would otherwise leave the
   gradient ops unplaced, and they would land on the default device).
 
-    results, token, theta = RecomputingCall(forward, backward, theta, x, state,
-                                            mb_id, token=t, pass_theta=True,
-                                            device='/cpu:1')
+A stage's last call (its chain ends: pass_theta=False), y = theta x^2:
+
+    >>> from lingvo_gpipe.engine import stage as stage_lib
+    >>> def Body(theta, inputs, state, micro_batch_id):
+    ...   return (theta[0] * tf.square(inputs[0]),), state
+    >>> stage = stage_lib.Stage(Body, 'stage 1', '/cpu:1')
+    >>> theta = stage.FlattenTheta([tf.constant(3.0)])
+    >>> x, state = stage.FlattenCall([tf.constant(2.0)], ())
+    >>> with tf.GradientTape() as tape:
+    ...   tape.watch(theta + x)
+    ...   (y,), token, theta_passed = RecomputingCall(
+    ...       stage.forward, stage.backward, theta, x, state,
+    ...       tf.constant(0, tf.int64), token=tf.constant(0.0),
+    ...       pass_theta=False, device='/cpu:1')
+    >>> float(y), theta_passed
+    (12.0, [])
+    >>> [float(g) for g in tape.gradient(y, theta + x)]  # x^2, 2 theta x
+    [4.0, 12.0]
 """
 
 from typing import Any, Callable, List, Sequence, Tuple

@@ -6,10 +6,24 @@ K cores, and ops placed on '/device:TPU_REPLICATED_CORE:k' inside the
 replicated computation run on the replica's core k (XLA turns the device into
 a maximal sharding on that core).
 
-    assignment = TpuDeviceAssignment(topology, num_replicas=4, num_stages=2)
-    strategy = tf.distribute.TPUStrategy(
-        resolver, experimental_device_assignment=assignment)
-    devices = TpuStageDevices(2)  # ['/device:TPU_REPLICATED_CORE:0', '...:1']
+The topology of a v3-8 (2 x 2 chips of 2 cores), which
+`tf.tpu.experimental.initialize_tpu_system(resolver)` returns on a TPU host,
+here built by hand; four replicas of two stages:
+
+    >>> cores = [[x, y, 0, core] for y in range(2) for x in range(2)
+    ...          for core in range(2)]
+    >>> topology = tf.tpu.experimental.Topology(
+    ...     mesh_shape=[2, 2, 1, 2], device_coordinates=np.array([cores]))
+    >>> assignment = TpuDeviceAssignment(topology, num_replicas=4,
+    ...                                  num_stages=2)
+    >>> [assignment.tpu_device(1, k, job='worker') for k in range(2)]
+    ['/job:worker/task:0/device:TPU:2', '/job:worker/task:0/device:TPU:3']
+    >>> TpuStageDevices(2)
+    ['/device:TPU_REPLICATED_CORE:0', '/device:TPU_REPLICATED_CORE:1']
+
+The assignment then goes to the strategy, `tf.distribute.TPUStrategy(
+resolver, experimental_device_assignment=assignment)`, and the devices to the
+layer (`devices=`).
 """
 
 import math

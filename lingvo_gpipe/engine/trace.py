@@ -21,9 +21,36 @@ A call's window runs from its first kernel's start to its last kernel's end.
 For calls that recompute, the recompute is the part of the backward call up
 to the end of the last kernel that repeats a forward kernel of the same
 chunk (same node name inside the function), and the backward the rest.
+A traced step of two chunks on two devices, two micro-batches:
 
-    kernels = StepKernels(run_metadata.step_stats)
-    events, devices = StepEvents(kernels, table, remat='always')
+    >>> import numpy as np
+    >>> import tensorflow as tf
+    >>> from lingvo_gpipe.engine import pipeline
+    >>> def Chunk(theta, inputs, state, micro_batch_id):
+    ...   return (tf.tanh(tf.matmul(inputs[0], theta)),), state
+    >>> pipe = pipeline.Pipeline([Chunk] * 2, ['/cpu:0', '/cpu:1'],
+    ...                          num_micro_batches=2, engine='unrolled')
+    >>> with tf.Graph().as_default():
+    ...   x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+    ...   thetas = [tf.compat.v1.placeholder(tf.float32, [8, 8])] * 2
+    ...   (y,), _ = pipe(thetas, [x])
+    ...   grads = tf.gradients(tf.reduce_sum(y), thetas)
+    ...   feed = {x: np.ones([4, 8]), thetas[0]: np.eye(8)}
+    ...   config = tf.compat.v1.ConfigProto(device_count={'CPU': 2})
+    ...   trace = tf.compat.v1.RunOptions(
+    ...       trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    ...   run_metadata = tf.compat.v1.RunMetadata()
+    ...   with tf.compat.v1.Session(config=config) as session:
+    ...     _ = session.run([y, grads], feed, options=trace,
+    ...                     run_metadata=run_metadata)
+    >>> kernels = StepKernels(run_metadata.step_stats)
+    >>> events, devices = StepEvents(kernels, pipe.table, remat='always',
+    ...                              engine='unrolled')
+    >>> for k in (0, 1):  # Forward, recompute and backward of each call.
+    ...   print(k, ' '.join(f'{e.phase[0]}{e.micro_batch}' for e in events
+    ...                     if e.stage == k), devices[k][0].split('/')[-1])
+    0 f0 f1 r1 b1 r0 b0 device:CPU:0
+    1 f0 f1 r1 b1 r0 b0 device:CPU:1
 """
 
 import collections

@@ -8,11 +8,23 @@ reverse order of its forward calls, so this engine runs tables whose
 backward is their forward reversed on every device (GPipe's, circular too).
 The steady step is the fastest on few micro-batches, but the graph, its
 trace and its XLA compile grow with C x M; the loop engine (`loop.py`) does
-not.
+not. Two chunks y = theta x on two devices, two micro-batches, eagerly
+(`pipeline.Pipeline` is the usual way in):
 
-    outputs, states = Run(chunks, thetas, inputs, states, table=table,
-                          batch_dim=0, remat='always', first_id=id0,
-                          training=True)
+    >>> def Chunk(theta, inputs, state, micro_batch_id):
+    ...   return (inputs[0] * theta,), state
+    >>> chunks = [stage_lib.Stage(Chunk, f'chunk {c}', f'/cpu:{c}')
+    ...           for c in range(2)]
+    >>> x, thetas = tf.constant([[1.0], [2.0]]), [tf.constant(2.0)] * 2
+    >>> table = schedule.BuildTable('gpipe', num_devices=2, num_micro_batches=2)
+    >>> with tf.GradientTape() as tape:
+    ...   tape.watch(x)
+    ...   (y,), _ = Run(chunks, thetas, [x], [(), ()], table=table,
+    ...                 batch_dim=0, remat='never',
+    ...                 first_id=tf.constant(0, tf.int64), training=True,
+    ...                 input_gradients=[True])
+    >>> y.numpy().tolist(), tape.gradient(y, x).numpy().tolist()
+    ([[4.0], [8.0]], [[4.0], [4.0]])
 """
 
 from typing import Any, List, Optional, Sequence, Tuple

@@ -8,11 +8,14 @@ runs one loop per device only outside XLA, which compiles no Send or Recv
 (`loop.py`). Both front ends and the engine ask `CompiledByXla`, so a step
 that one of them considers compiled, all do.
 
-    @tf.function(jit_compile=True)
-    def Step(x):
-      assert CompiledByXla()
-      ...
-    CompiledByXla(['/device:TPU_REPLICATED_CORE:0'])  # True: a TPU stage
+    >>> def Step():
+    ...   return tf.constant(CompiledByXla())
+    >>> bool(tf.function(Step, jit_compile=True)())
+    True
+    >>> bool(tf.function(Step)()), CompiledByXla()  # Without XLA, eagerly.
+    (False, False)
+    >>> CompiledByXla(['/device:TPU_REPLICATED_CORE:0'])  # A TPU stage.
+    True
 """
 
 from typing import Sequence
