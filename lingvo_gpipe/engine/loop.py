@@ -57,9 +57,26 @@ keeps the sum sparse (`recompute.py`), so an optimizer updates only the rows
 looked up; after this engine it updates every row (the same values: the
 others get zeros).
 
-    outputs, states = Run(chunks, thetas, inputs, states, table=table,
-                          batch_dim=0, remat='always', first_id=id0,
-                          training=True)
+Two chunks y = theta x on two devices, two micro-batches, eagerly (the
+loops run lockstep; `pipeline.Pipeline` is the usual way in):
+
+    >>> def Chunk(theta, inputs, state, micro_batch_id):
+    ...   return (inputs[0] * theta,), state
+    >>> chunks = [stage_lib.Stage(Chunk, f'chunk {c}', f'/cpu:{c}',
+    ...                           pin_forward=False) for c in range(2)]
+    >>> thetas = [tf.constant(2.0), tf.constant(3.0)]
+    >>> table = schedule.BuildTable('gpipe', num_devices=2, num_micro_batches=2)
+    >>> with tf.GradientTape() as tape:
+    ...   tape.watch(thetas)
+    ...   (y,), states = Run(chunks, thetas, [tf.constant([[0.0], [1.0]])],
+    ...                      [(), ()], table=table, batch_dim=0,
+    ...                      remat='always', first_id=tf.constant(0, tf.int64),
+    ...                      training=True, input_gradients=[False])
+    ...   loss = tf.reduce_sum(y)
+    >>> y.numpy().tolist(), states
+    ([[0.0], [6.0]], [(), ()])
+    >>> [float(g) for g in tape.gradient(loss, thetas)]
+    [3.0, 2.0]
 """
 
 import contextlib
@@ -78,12 +95,11 @@ from lingvo_gpipe.planning import schedule
 # Whether the loops' While, If and Case ops are lowered to Switch/Merge
 # control flow when they run outside XLA. Unlowered (the default), each tick
 # is one function call per loop, as in Lingvo's recurrent.py, instead of
-# control ops for every loop variable and every tensor a chunk reads: 182
-# kernels per step instead of 12,507 at K=4, M=8 (16 FC cells), and the
-# steady step is about 1.6x faster on CPU. Lowered, the kernels inside the
-# loops show in RunMetadata step stats, where tests and the timeline read
-# which device ran them when; the ops and their devices are the same either
-# way.
+# control kernels for every loop variable and every tensor a chunk reads,
+# which make a step run many times the kernels, and slower (docs/engines.md).
+# Lowered, the kernels inside the loops show in RunMetadata step stats, where
+# tests and the timeline read which device ran them when; the ops and their
+# devices are the same either way.
 LOWER_CONTROL_FLOW = False
 _LOWERING_ATTR = '_lower_using_switch_merge'
 _BRANCH_OPS = ('If', 'StatelessIf', 'Case', 'StatelessCase')

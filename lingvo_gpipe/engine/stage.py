@@ -17,11 +17,27 @@ micro-batches in order, and the backward pass, which must finish m + 1 before
 it can produce m's chain gradient, runs them in reverse; the weight gradients
 are summed along the same chain as the backward pass proceeds instead of being
 held M times and added at the end (torchgpipe's fork/join, done with tensors).
+A stage that counts its micro-batches in its state, called on two of them:
 
-    stage = Stage(body_fn, name='stage0')
-    chain = stage.StartChain(theta)
-    outputs, state, chain = stage.Call(chain, inputs, state, mb_id, remat=True,
-                                       last=False)
+    >>> def Body(theta, inputs, state, micro_batch_id):
+    ...   (x,) = inputs
+    ...   return (tf.matmul(x, theta),), state + 1.0
+    >>> stage = Stage(Body, name='stage0', device='/cpu:1')
+    >>> @tf.function
+    ... def Step(theta, micro_batches):
+    ...   with tf.GradientTape() as tape:
+    ...     tape.watch(theta)
+    ...     chain, state, loss = stage.StartChain(theta), tf.constant(0.0), 0.0
+    ...     for m, x in enumerate(micro_batches):
+    ...       (y,), state, chain = stage.Call(
+    ...           chain, [x], state, tf.constant(m, tf.int64), remat=True,
+    ...           last=m == len(micro_batches) - 1)
+    ...       loss += tf.reduce_sum(y)
+    ...   return loss, state, tape.gradient(loss, theta)
+    >>> loss, state, d_theta = Step(3.0 * tf.eye(2),
+    ...                             [tf.ones([1, 2]), 2.0 * tf.ones([1, 2])])
+    >>> float(loss), float(state), d_theta.numpy().tolist()
+    (18.0, 2.0, [[3.0, 3.0], [3.0, 3.0]])
 """
 
 import contextlib
@@ -57,9 +73,9 @@ def _DisableSpecialization(fn: tf.types.experimental.PolymorphicFunction):
   """Asks Grappler not to copy `fn` once per call site.
 
   Grappler's function optimizer specializes a function body per call site and
-  optimizes every copy anew; for the M calls of a stage's backward function
-  that made the first session run of a 4-layer Transformer at M=8 take 36 s
-  instead of 9 s. The FunctionDef attribute '_nospecialize' turns that off, but
+  optimizes every copy anew, so the first session run of a step grows with
+  the M calls of each stage's backward function (docs/design.md has the
+  measurement). The FunctionDef attribute '_nospecialize' turns that off, but
   tf.function only accepts attribute names from an allowlist, which is
   extended here for this one name. If a TensorFlow release drops the
   mechanism, functions are specialized as before (slower, still correct).
@@ -102,11 +118,24 @@ class SplitCall:
 
   It uses a private TensorFlow API (`ConcreteFunction.
   _delayed_rewrite_functions.forward_backward()`, TF 2.21); without it the
-  constructor raises, and only remat='always' runs in the loop engine.
+  constructor raises, and only remat='always' runs in the loop engine. For
+  y = tanh(theta x), the stash is y, which the gradient reads:
 
-      split = SplitCall(stage.forward.get_concrete_function(*args), 'stage 0')
-      outputs, stash = split.Forward(flat_args)
-      grads = split.Backward(d_outputs, flat_args, stash)
+      >>> def Body(theta, inputs, state, micro_batch_id):
+      ...   return (tf.tanh(theta[0] * inputs[0]),), state
+      >>> stage = Stage(Body, 'stage 0', device='')
+      >>> theta = stage.FlattenTheta([tf.constant(2.0)])
+      >>> x, state = stage.FlattenCall([tf.constant(0.5)], ())
+      >>> micro_batch_id = tf.constant(0, tf.int64)
+      >>> split = SplitCall(stage.forward.get_concrete_function(
+      ...     theta, x, state, micro_batch_id), 'stage 0')
+      >>> args = theta + x + state + [micro_batch_id]
+      >>> (y,), stash = split.Forward(args)
+      >>> round(float(y), 4), [round(float(t), 4) for t in stash]
+      (0.7616, [0.7616])
+      >>> d_theta, d_x, d_id = split.Backward([tf.constant(1.0)], args, stash)
+      >>> round(float(d_theta), 4), round(float(d_x), 4), d_id
+      (0.21, 0.8399, None)
   """
 
   def __init__(self, concrete: Any, name: str):
@@ -306,11 +335,6 @@ class Stage:
     return ([x for x in tf.nest.flatten(self._input_struct) if x is not None],
             state_flat)
 
-  @property
-  def output_mask(self) -> Tuple[bool, ...]:
-    """Which output leaves of the body are tensors (not None); once traced."""
-    return self._output_mask
-
   def OutputGroups(self, num_trailing: int) -> List[Tuple[bool, ...]]:
     """The output leaves' masks, cut into the main outputs and trailing groups.
 
@@ -319,7 +343,8 @@ class Stage:
         groups of their own (skip connections leaving the stage).
 
     Returns:
-      1 + num_trailing masks; their concatenation is `output_mask`.
+      1 + num_trailing masks (True where an output leaf is a tensor, not
+      None), which together cover every output leaf.
     """
     entries = list(self._output_struct)
     cut = len(entries) - num_trailing
@@ -387,9 +412,9 @@ class Stage:
     """Builds the forward body where it is called, with no function call.
 
     For a caller that already runs once per micro-batch as a function, such
-    as the body of a loop over ticks, where a call of `forward` runs as a
-    function of its own at every tick (in the loop engine's per-device
-    loops, 16 FC 8, K = 8, M = 64: about 2 of a 12 ms step). The caller
+    as the body of a loop over ticks, where a call of `forward` would run as
+    a function of its own at every tick, a cost that shows on small stages
+    (docs/engines.md). The caller
     places the ops (`tf.device`); they are named
     '<caller's scope>/INLINE_FORWARD_SCOPE/<op as named in `forward`>'.
 
