@@ -70,12 +70,28 @@ def testCandidateJson():
   candidate = predict.Predict(Profile(TWO_CELLS), Shape(2, 2, 'always'),
                               [1, 1])
   row = json.loads(json.dumps(candidate.ToJson()))
-  for key in ('num_stages', 'num_micro_batches', 'schedule',
-              'virtual_stages', 'remat', 'partition', 'replicas',
-              'predicted_step_s', 'predicted_peak_bytes', 'fits',
-              'measured_step_s', 'measured_peak_bytes'):
-    assert key in row, key
-  assert row['measured_step_s'] is None
+  # The row is the candidate's fields: it builds the same candidate again.
+  assert profile_lib.Candidate(**row) == candidate
+  # Micro-batches of 2 examples: forward 1 + 2 = 3 s, backward with its
+  # recompute 3 + (1 + 2 * 2) = 8 s; GPipe runs (M + K - 1) = 3 ticks of each.
+  assert row['predicted_step_s'] == 3 * (3 + 8) == row['step_terms'][
+      'pipeline']
+  assert row['bubble_fraction'] == pytest.approx(1 / 3)  # (K-1)/(M+K-1).
+  # No activations, inputs or slots: each device holds its cell's weights.
+  assert row['device_peak_bytes'] == [100.0, 100.0]
+  assert row['predicted_peak_bytes'] == 100.0 and row['fits']
+  assert row['peak_terms']['weights'] == 100.0
+  assert sum(row['peak_terms'].values()) == 100.0
+  assert {key: row[key] for key in (
+      'num_stages', 'num_micro_batches', 'schedule', 'virtual_stages',
+      'remat', 'partition', 'replicas', 'engine', 'peak_device',
+      'partition_rule')} == dict(
+          num_stages=2, num_micro_batches=2, schedule='gpipe',
+          virtual_stages=1, remat='always', partition=[1, 1], replicas=1,
+          engine='unrolled', peak_device=0, partition_rule='fastest')
+  assert all(row[key] is None for key in (
+      'measured_step_s', 'measured_peak_bytes', 'measured_device_peak_bytes',
+      'measured_median_step_s'))
   assert candidate.Describe() == "K=2 v=1 M=2 R=1 gpipe remat='always' [1, 1]"
 
 
