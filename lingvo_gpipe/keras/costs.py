@@ -8,8 +8,18 @@ timed runs, as `planning.timing` says, like the Lingvo cells), and
 balances; counts and bytes are `planning.sizes`', shared with the Lingvo
 cells. Keras layers have no flop estimate, so there is no 'flops'.
 
-    costs = ProfileTimes(layers, micro_batch_shape=(64, 512))
-    counts = partition.PartitionCosts(costs, 4, memory=VariableBytes(layers))
+    >>> from lingvo_gpipe.planning import partition
+    >>> layers = [keras.layers.Dense(32), keras.layers.Dense(8),
+    ...           keras.layers.Dense(8)]
+    >>> costs = ProfileTimes(layers, micro_batch_shape=(4, 16), num_runs=1)
+    >>> len(costs), all(seconds > 0 for seconds in costs)
+    (3, True)
+    >>> ParamCounts(layers), VariableBytes(layers)  # Built by ProfileTimes.
+    ([544.0, 264.0, 72.0], [2176.0, 1056.0, 288.0])
+    >>> counts = partition.PartitionCosts(ParamCounts(layers), 2,
+    ...                                   memory=VariableBytes(layers))
+    >>> counts
+    [1, 2]
 """
 
 from typing import List, Sequence

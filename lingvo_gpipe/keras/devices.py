@@ -7,10 +7,15 @@ strategy with R > 1 replicas in sync (e.g. `tf.distribute.MirroredStrategy`),
 each replica runs its own pipeline: with devices=None replica r runs stage k
 on local device r * K + k of one type (R * K devices needed), and K = 1 runs
 on the replica's own device. Explicit devices are used by every replica.
+Two replicas of two stages on four CPU devices:
 
-    with strategy.scope():   # MirroredStrategy(['/cpu:0', '/cpu:2'])
-      ...                    # replica 0: CPU:0, CPU:1; replica 1: CPU:2, CPU:3
-    ReplicaStageDevices(num_stages=2, explicit=None)
+    >>> strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:2'])
+    >>> found = {}
+    >>> def Run():
+    ...   found[Replica()[0]] = ReplicaStageDevices(num_stages=2)
+    >>> strategy.run(Run)
+    >>> found[0], found[1]  # Per replica, its stages' devices.
+    (['...CPU:0', '...CPU:1'], ['...CPU:2', '...CPU:3'])
 """
 
 from typing import List, Optional, Sequence, Tuple

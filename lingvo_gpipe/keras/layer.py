@@ -1,12 +1,16 @@
 """GPipeSequential: a Keras 3 layer that runs its layers as a GPipe pipeline.
 
-    pipe = GPipeSequential([keras.layers.Dense(256, activation='relu')
-                            for _ in range(8)],
-                           num_stages=4, num_micro_batches=8)
-    model = keras.Sequential([keras.Input((256,)), pipe,
-                              keras.layers.Dense(10)])
-    model.compile('sgd', 'mse')
-    model.fit(x, y, batch_size=64)
+    >>> import numpy as np
+    >>> pipe = GPipeSequential([keras.layers.Dense(16, activation='relu')
+    ...                         for _ in range(4)],
+    ...                        num_stages=2, num_micro_batches=2)
+    >>> model = keras.Sequential([keras.Input((16,)), pipe,
+    ...                           keras.layers.Dense(1)])
+    >>> model.compile('sgd', 'mse')
+    >>> history = model.fit(np.ones([64, 16]), np.zeros([64, 1]),
+    ...                     batch_size=32, verbose=0)
+    >>> pipe.partition, len(history.history['loss'])
+    ([2, 2], 1)
 
 The Keras front end of the engine that also runs `GPipeSequentialLayer`: the
 same checks and error messages (`planning.config`), placement
@@ -66,8 +70,15 @@ def _CheckLayers(layers: Any) -> List[keras.layers.Layer]:
 class GPipeSequential(keras.layers.Layer):
   """Runs a list of Keras layers as a K-stage, M-micro-batch GPipe pipeline.
 
-      pipe = GPipeSequential(layers, num_stages=2, num_micro_batches=4)
-      y = pipe(x, training=True)       # == keras.Sequential(layers)(x)
+  Its outputs are those of `keras.Sequential` of the same layers:
+
+      >>> import numpy as np
+      >>> layers = [keras.layers.Dense(4, activation='tanh') for _ in range(4)]
+      >>> pipe = GPipeSequential(layers, num_stages=2, num_micro_batches=4)
+      >>> x = np.random.RandomState(0).randn(8, 4).astype(np.float32)
+      >>> y = pipe(x, training=True)
+      >>> np.allclose(y, keras.Sequential(layers)(x), atol=1e-6)
+      True
 
   Attributes:
     layers: The layers, in order.

@@ -26,10 +26,23 @@ the layer explicitly, in one of three roles:
   micro-batch advances a seed generator once, so the M micro-batches of a step
   draw M different masks.
 
-    chunk = Chunk([dense0, dropout, dense1])
-    fn = chunk.StageFunction(training=True)
-    (y,), state = fn(chunk.Theta(), (x,), chunk.InitialState(), mb_id)
-    chunk.ApplyUpdates(state)
+A chunk whose batch norm (momentum 0: the moving statistics become the
+step's) sees a batch of 1, 3, 5, 7 in two micro-batches:
+
+    >>> dense = keras.layers.Dense(2, kernel_initializer='ones')
+    >>> norm = keras.layers.BatchNormalization(momentum=0.0)
+    >>> dropout = keras.layers.Dropout(0.5, seed=1)
+    >>> _ = keras.Sequential([keras.Input((2,)), dense, norm, dropout])
+    >>> chunk = Chunk([dense, norm, dropout])
+    >>> fn = chunk.StageFunction(training=True)
+    >>> state = chunk.InitialState()
+    >>> for m, x in enumerate([[[1.0, 0.0], [3.0, 0.0]],
+    ...                        [[5.0, 0.0], [7.0, 0.0]]]):
+    ...   (y,), state = fn(chunk.Theta(), (tf.constant(x),), state,
+    ...                    tf.constant(m, tf.int64))
+    >>> chunk.ApplyUpdates(state)
+    >>> norm.moving_mean.numpy().tolist(), norm.moving_variance.numpy().tolist()
+    ([4.0, 4.0], [5.0, 5.0])
 """
 
 import contextlib
