@@ -232,7 +232,8 @@ def testLoopGraphDoesNotGrowWithM():
 def testCircularLoopGraphDoesNotGrowWithM():
   """K = 2, v = 2 on the loop engine: the same HLO for M = 4 and 32."""
   lines = [_HloLines('loop', m, k=2, virtual_stages=2) for m in (4, 32)]
-  assert lines[1] <= 1.25 * lines[0], lines
+  # M is a loop bound, not a count of calls: not one more line at M = 32.
+  assert lines[0] == lines[1], lines
 
 
 # Schedules with the loss inside the pipeline (1F1B).
