@@ -7,10 +7,8 @@ import tensorflow as tf
 from lingvo_gpipe.engine import channel
 from lingvo_gpipe.engine import loop
 from lingvo_gpipe.engine import pipeline
-from lingvo_gpipe.planning import schedule
 import engine_util
 
-F, B = schedule.FORWARD, schedule.BACKWARD
 RNG = np.random.RandomState(3)
 WEIGHTS = [RNG.randn(5, 5).astype(np.float32) * 0.6 for _ in range(4)]
 X = RNG.randn(16, 5).astype(np.float32)
@@ -182,24 +180,3 @@ def testObservableLoopsRunInLockstep():
   assert len(whiles) == 6, whiles  # Fill, full, drain; forward, backward.
 
 
-def testChannelOrderOfTheBuiltInTables():
-  """Every edge's reader takes micro-batches in its writer's order."""
-  for name in schedule.SCHEDULES:
-    for k, v in ((2, 1), (4, 1), (2, 2)):
-      table = schedule.BuildTable(name, k, 8, v)
-      assert loop.ChannelOrderHolds(table, loop.Edges(k * v, [])), (name, k,
-                                                                    v)
-
-
-def testChannelOrderRejectsReorderedMicroBatches():
-  """Chunk 1 takes micro-batch 1 before 0: its channel would swap them."""
-  orders = [
-      [schedule.Action(F, 0, 0), schedule.Action(F, 0, 1),
-       schedule.Action(B, 0, 0), schedule.Action(B, 0, 1)],
-      [schedule.Action(F, 1, 1), schedule.Action(F, 1, 0),
-       schedule.Action(B, 1, 0), schedule.Action(B, 1, 1)],
-  ]
-  table = schedule.TableFromOrders('custom', num_devices=2, num_micro_batches=2,
-                                   virtual_stages=1, loss_outside=True,
-                                   orders=orders)
-  assert not loop.ChannelOrderHolds(table, loop.Edges(2, []))

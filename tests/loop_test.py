@@ -1,0 +1,72 @@
+"""Tests of engine.loop: its per-device loops, their order and channels."""
+
+import re
+
+from lingvo_gpipe.engine import loop
+from lingvo_gpipe.planning import schedule
+import engine_util
+import test_util
+
+F, B = schedule.FORWARD, schedule.BACKWARD
+NUM_MICRO_BATCHES = 4
+
+
+def testLoopStageRecomputesEachCallRightBeforeItsGradient():
+  """Loop engine, per stage device: M forwards, then M (recompute, gradient).
+
+  The kernels of the lowered loops (`engine_util.ObservableLoops`) on each
+  stage's device, in the order they started: first the forward pass's ReLUs
+  of all micro-batches, then for each micro-batch its recomputed ReLU
+  directly followed by its weight gradient. Which micro-batch each tick
+  takes is the schedule table (`schedule.BuildTable`, schedule_test.py).
+  """
+  with engine_util.ObservableLoops('loop'):
+    _, step_stats = test_util.TracedFCStep('always', NUM_MICRO_BATCHES,
+                                           engine='loop')
+  # The order is exact, not a matter of timing: a call's recomputed ReLU and
+  # its weight gradient are linked by data (Relu -> ReluGrad -> MatMul_1);
+  # the ticks of a loop run one after another (parallel_iterations=1: the
+  # executor starts no kernel of tick t + 1 before every kernel of tick t has
+  # ended), a loop starts when the previous one has ended (loop.py), and the
+  # backward loop needs the loss. The executor records a kernel's end, and
+  # appends its stats to node_stats, before it starts any kernel waiting for
+  # it; so the start times, ties broken by the position in node_stats, give
+  # that order. (By start microseconds and kind alone, a ReLU and its gradient
+  # starting in the same microsecond would sort the gradient first.)
+  kernels = {}
+  for dev in step_stats.dev_stats:
+    for position, node in enumerate(dev.node_stats):
+      match = re.search(r'fc(\d)/(Relu$|MatMul_grad/MatMul_1$)',
+                        node.node_name)
+      if match:
+        kind = 'relu' if match.group(2) == 'Relu' else 'gradient'
+        kernels.setdefault(dev.device, []).append(
+            (node.all_start_micros, position, kind))
+  assert sorted(kernels) == engine_util.CPUS
+  for device, runs in kernels.items():
+    assert [kind for _, _, kind in sorted(runs)] == (
+        ['relu'] * NUM_MICRO_BATCHES +
+        ['relu', 'gradient'] * NUM_MICRO_BATCHES), device
+
+
+def testChannelOrderOfTheBuiltInTables():
+  """Every edge's reader takes micro-batches in its writer's order."""
+  for name in schedule.SCHEDULES:
+    for k, v in ((2, 1), (4, 1), (2, 2)):
+      table = schedule.BuildTable(name, k, 8, v)
+      assert loop.ChannelOrderHolds(table, loop.Edges(k * v, [])), (name, k,
+                                                                    v)
+
+
+def testChannelOrderRejectsReorderedMicroBatches():
+  """Chunk 1 takes micro-batch 1 before 0: its channel would swap them."""
+  orders = [
+      [schedule.Action(F, 0, 0), schedule.Action(F, 0, 1),
+       schedule.Action(B, 0, 0), schedule.Action(B, 0, 1)],
+      [schedule.Action(F, 1, 1), schedule.Action(F, 1, 0),
+       schedule.Action(B, 1, 0), schedule.Action(B, 1, 1)],
+  ]
+  table = schedule.TableFromOrders('custom', num_devices=2, num_micro_batches=2,
+                                   virtual_stages=1, loss_outside=True,
+                                   orders=orders)
+  assert not loop.ChannelOrderHolds(table, loop.Edges(2, []))
