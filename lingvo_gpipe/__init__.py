@@ -1,8 +1,13 @@
 """lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2 and Lingvo.
 
-    from lingvo_gpipe import GPipeSequentialLayer
-    p = GPipeSequentialLayer.Params().Set(name='pipe', cell_tpl=cells,
-                                          num_stages=4, num_micro_batches=8)
+    >>> from lingvo.core import layers
+    >>> from lingvo_gpipe import GPipeSequentialLayer
+    >>> cells = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=8,
+    ...                                      output_dim=8) for i in range(8)]
+    >>> p = GPipeSequentialLayer.Params().Set(name='pipe', cell_tpl=cells,
+    ...                                       num_stages=4, num_micro_batches=8)
+    >>> p.Instantiate().partition  # Cells per stage.
+    [2, 2, 2, 2]
 
 Layers, each using only the ones below it:
 

@@ -1,8 +1,20 @@
 """Batch norm that stays correct when GPipe splits the batch into micro-batches.
 
-    bn = BatchNormLayer.Params().Set(name='bn0', dim=64, decay=0.99)
-    p = GPipeSequentialLayer.Params().Set(
-        name='pipe', cell_tpl=[fc0, bn, fc1], num_micro_batches=4)
+A batch of 1, 3, 5, 7 (first channel) in two micro-batches; the moving mean
+moves once, towards the batch's mean 4, by 1 - decay:
+
+    >>> from lingvo.core import layers
+    >>> from lingvo_gpipe import GPipeSequentialLayer
+    >>> bn = BatchNormLayer.Params().Set(name='bn', dim=2, decay=0.5)
+    >>> fc = layers.FCLayer.Params().Set(name='fc', input_dim=2, output_dim=2)
+    >>> pipe = GPipeSequentialLayer.Params().Set(
+    ...     name='pipe', cell_tpl=[bn, fc], num_stages=2,
+    ...     num_micro_batches=2).Instantiate()
+    >>> x = tf.constant([[1.0, 0.0], [3.0, 0.0], [5.0, 0.0], [7.0, 0.0]])
+    >>> y = pipe.FProp(pipe.theta, x)
+    >>> _ = pipe.bn.PostTrainingStepUpdate()  # Lingvo's BaseTask, once a step.
+    >>> pipe.bn.vars.moving_mean.numpy().tolist()
+    [2.0, 0.0]
 
 Lingvo's `bn_layers.BatchNormLayer` registers its moving-average update with
 `py_utils.UpdateBatchNormVars` from inside FProp. Inside `GPipeSequentialLayer`
@@ -76,11 +88,15 @@ class BatchNormLayer(bn_layers.BatchNormLayer):
   FProp normalizes with the statistics of its micro-batch and accumulates
   them; `PostTrainingStepUpdate` updates moving_mean and moving_variance once
   from the moments of all micro-batches together. Elsewhere it behaves exactly
-  like `lingvo.core.bn_layers.BatchNormLayer` (`layers.BatchNormLayer`).
+  like `lingvo.core.bn_layers.BatchNormLayer` (`layers.BatchNormLayer`):
 
-      p = BatchNormLayer.Params().Set(name='bn', dim=8, decay=0.9)
-      bn = p.Instantiate()
-      y = bn.FProp(bn.theta, x, paddings)
+      >>> bn = BatchNormLayer.Params().Set(name='bn', dim=2).Instantiate()
+      >>> x = tf.constant([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]])
+      >>> paddings = tf.constant([[0.0], [0.0], [1.0]])  # The last row.
+      >>> bn.FProp(bn.theta, x, paddings).numpy().round(3).tolist()
+      [[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0]]
+      >>> bn.AccumulatesStats()
+      False
   """
 
   @classmethod

@@ -6,10 +6,26 @@ turns it into the engine's contract `(theta, inputs, state, micro_batch_id) ->
 micro-batch adds to them once (recomputes trace the function again and their
 state is dropped), and Lingvo's stateless random ops are seeded per
 micro-batch (`MicroBatchSeeds`), so that a recompute draws the same dropout
-masks as the forward pass.
+masks as the forward pass. The same micro-batch id draws the same mask:
 
-    fn = StageFunction([cell0, cell1], nested_map_fprop=False)
-    outputs, state = fn(theta, (x,), state, micro_batch_id)
+    >>> from lingvo.core import layers
+    >>> fc = layers.FCLayer.Params().Set(
+    ...     name='fc', input_dim=4, output_dim=4, activation='NONE')
+    >>> dropout = layers.DeterministicDropoutLayer.Params().Set(
+    ...     name='dropout', keep_prob=0.5)
+    >>> cells = [fc.Instantiate(), dropout.Instantiate()]
+    >>> fn = StageFunction(cells)
+    >>> theta = py_utils.NestedMap({c.params.name: c.theta for c in cells})
+    >>> state = py_utils.NestedMap(
+    ...     {c.params.name: c.GetAccumulatorValues() for c in cells})
+    >>> def Call(micro_batch_id):
+    ...   (y,), _ = fn(theta, (tf.ones([2, 4]),), state,
+    ...                tf.constant(micro_batch_id, tf.int64))
+    ...   return y
+    >>> bool(tf.reduce_all(Call(0) == Call(0)))
+    True
+    >>> bool(tf.reduce_all(Call(0) == Call(1)))
+    False
 """
 
 import contextlib

@@ -4,12 +4,34 @@ Lingvo's PipeliningLayer (and its stacks) create each cell's layers in the
 parent's scope, under the cell: `<parent>/cell_<k>/<layer>/...`, so the names
 depend on the split. The same model on `lingvo_gpipe.stacks` names them
 `<parent>/<name>/<layer>/...` for every split. `ConvertCheckpoint` renames a
-checkpoint one way or the other, for a model built with `lingvo_gpipe.stacks`:
+checkpoint one way or the other, for a model built with `lingvo_gpipe.stacks`.
+Lingvo's pipeline of two cells saves a checkpoint, which ours then reads:
 
-    with tf.Graph().as_default():
-      model = model_params.Instantiate()  # Variables are only named here.
-      ConvertCheckpoint(model, '/lingvo/train/ckpt-00010000',
-                        '/ours/train/ckpt-00010000', to='ours')
+    >>> import shutil, tempfile
+    >>> from lingvo.core import gpipe, layers
+    >>> def Params(cls):
+    ...   fc = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=4,
+    ...                                     output_dim=4) for i in range(3)]
+    ...   return cls.Params().Set(name='pipe', cell_tpl=[
+    ...       gpipe.FeatureExtractionLayer.Params().Set(name='cell_0',
+    ...                                                 sub=fc[:2]),
+    ...       gpipe.FeatureExtractionLayer.Params().Set(name='cell_1',
+    ...                                                 sub=fc[2:])])
+    >>> tmp = tempfile.mkdtemp()
+    >>> with tf.Graph().as_default():
+    ...   _ = Params(gpipe.PipeliningLayer).Instantiate()
+    ...   with tf.Session() as session:
+    ...     session.run(tf.global_variables_initializer())
+    ...     lingvo_ckpt = tf.train.Saver().save(
+    ...         session, os.path.join(tmp, 'lingvo', 'ckpt-0'))
+    >>> with tf.Graph().as_default():
+    ...   model = Params(stacks.PipeliningLayer).Instantiate()  # Names only.
+    ...   renames = ConvertCheckpoint(model, lingvo_ckpt,
+    ...                               os.path.join(tmp, 'ours', 'ckpt-0'),
+    ...                               to='ours')
+    >>> renames['cell_0/fc1/w/var'], renames['cell_1/fc2/w/var']
+    ('pipe/fc1/w/var', 'pipe/fc2/w/var')
+    >>> shutil.rmtree(tmp)
 
 Rules:
 

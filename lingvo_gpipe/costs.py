@@ -4,8 +4,19 @@ The costs of partition='params' | 'flops' | 'profile': trainable parameter
 counts, Lingvo's `FPropMeta` flop estimates, or each cell's forward and
 backward pass timed on a sample micro-batch:
 
-    costs = CellCosts(cells, 'flops', input_shapes=([64, 512],))
-    counts = partition.PartitionCosts(costs, 4, memory=CellMemory(cells))
+    >>> from lingvo.core import layers
+    >>> from lingvo_gpipe.planning import partition
+    >>> dims = [8, 8, 32, 32, 8]
+    >>> cells = [layers.FCLayer.Params().Set(
+    ...     name=f'fc{i}', input_dim=dims[i], output_dim=dims[i + 1])
+    ...          .Instantiate() for i in range(4)]
+    >>> CellCosts(cells, 'params')
+    [72.0, 288.0, 1056.0, 264.0]
+    >>> costs = CellCosts(cells, 'flops', input_shapes=([4, 8],))
+    >>> costs
+    [552.0, 2208.0, 8352.0, 2088.0]
+    >>> partition.PartitionCosts(costs, 2, memory=CellMemory(cells))
+    [2, 2]
 
 A timed cost is the median of its timed runs (`planning.timing`, the rule
 the Keras layer's 'profile' follows too): the partition balances the cells'

@@ -6,15 +6,26 @@ of layers; the stacks of `layers_with_gpipe` (`GPipeTransformerStack`,
 `GPipeBatchMajorTransformerStack`, `GPipeEvolvedTransformerStack`) build such
 cells, named `cell_<k>`, in their `__init__` from `splits`. `Convert` returns
 the same pipeline as GPipeSequentialLayer params (users call it as
-`GPipeSequentialLayer.FromPipeliningLayer`):
+`GPipeSequentialLayer.FromPipeliningLayer`). A tiny batch-major stack:
 
-    lingvo_p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
-        name='stack', num_encoder_layers=2, num_decoder_layers=2,
-        splits=[1, 4], num_micro_batches=4, ...)
-    p = GPipeSequentialLayer.FromPipeliningLayer(lingvo_p)
-    # p.cell_tpl: emb, encoder_0, encoder_1, decoder_0, decoder_1, softmax
-    # p.partition == [2, 4], p.num_micro_batches == 4, p.batch_dim == 1
-    p.remat = 'except_last'  # Our knobs are free to set.
+    >>> from lingvo.core import layers_with_gpipe
+    >>> from lingvo_gpipe import GPipeSequentialLayer
+    >>> Stack = layers_with_gpipe.GPipeBatchMajorTransformerStack
+    >>> lingvo_p = Stack.Params().Set(
+    ...     name='stack', model_dim=4, num_encoder_layers=2,
+    ...     num_decoder_layers=2, splits=[1, 4], num_micro_batches=4)
+    >>> emb, softmax = lingvo_p.emb_tpl, lingvo_p.softmax_tpl
+    >>> emb.token_emb.vocab_size, softmax.num_classes = 8, 8
+    >>> emb.token_emb.embedding_dim = emb.position_emb.embedding_dim = 4
+    >>> softmax.input_dim = 4
+    >>> for tpl in (lingvo_p.encoder_tpl, lingvo_p.decoder_tpl):
+    ...   tpl.input_dim, tpl.tr_atten_tpl.num_heads = 4, 1
+    >>> p = GPipeSequentialLayer.FromPipeliningLayer(lingvo_p)
+    >>> [c.name for c in p.cell_tpl]
+    ['emb', 'encoder_0', 'encoder_1', 'decoder_0', 'decoder_1', 'softmax']
+    >>> p.partition, p.num_micro_batches, p.batch_dim
+    ([2, 4], 4, 0)
+    >>> p.remat = 'except_last'  # Our knobs are free to set.
 
 What carries over:
 

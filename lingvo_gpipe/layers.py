@@ -1,10 +1,16 @@
 """GPipeSequentialLayer: a Lingvo layer that runs its cells as a GPipe pipeline.
 
-    p = GPipeSequentialLayer.Params().Set(
-        name='pipe', cell_tpl=[fc0, fc1, fc2, fc3], num_stages=2,
-        num_micro_batches=4)
-    layer = p.Instantiate()
-    y = layer.FProp(layer.theta, x)
+    >>> from lingvo.core import layers
+    >>> fc = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=8,
+    ...                                   output_dim=8) for i in range(4)]
+    >>> p = GPipeSequentialLayer.Params().Set(
+    ...     name='pipe', cell_tpl=fc, num_stages=2, num_micro_batches=4)
+    >>> layer = p.Instantiate()
+    >>> y = layer.FProp(layer.theta, tf.ones([8, 8]))
+    >>> y.shape, layer.partition, layer.BubbleFraction(8)
+    (TensorShape([8, 8]), [2, 2], 0.2)
+    >>> [v.name for v in layer.vars.fc0.Flatten()]
+    ['pipe/fc0/b/var:0', 'pipe/fc0/w/var:0']
 
 The cells are created exactly as `builder_layers.SequentialLayer` would create
 them (same variable names, `theta[cell_name]`), so checkpoints move freely
@@ -109,8 +115,22 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
   def FromPipeliningLayer(cls, p):
     """The GPipeSequentialLayer params of a Lingvo GPipe pipeline.
 
-        p = GPipeSequentialLayer.FromPipeliningLayer(lingvo_stack_params)
-        p.remat = 'except_last'
+    Lingvo's two cells of one and two layers become three cells in two
+    stages; this layer's own knobs stay free to set:
+
+        >>> from lingvo.core import gpipe, layers
+        >>> fc = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=8,
+        ...                                   output_dim=8) for i in range(3)]
+        >>> lingvo_p = gpipe.PipeliningLayer.Params().Set(
+        ...     name='pipe', num_micro_batches=2, cell_tpl=[
+        ...         gpipe.FeatureExtractionLayer.Params().Set(
+        ...             name='cell_0', sub=fc[:1]),
+        ...         gpipe.FeatureExtractionLayer.Params().Set(
+        ...             name='cell_1', sub=fc[1:])])
+        >>> p = GPipeSequentialLayer.FromPipeliningLayer(lingvo_p)
+        >>> [c.name for c in p.cell_tpl], p.partition, p.num_micro_batches
+        (['fc0', 'fc1', 'fc2'], [1, 2], 2)
+        >>> p.remat = 'except_last'
 
     See `from_lingvo` for what carries over and what raises.
 
@@ -289,7 +309,11 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
     return self._pipelined_call.Engine(num_micro_batches, self.StageDevices())
 
   def BubbleFraction(self, batch_size):
-    """The idle fraction (K - 1) / (M v + K - 1) of a step with this batch."""
+    """The idle fraction (K - 1) / (M v + K - 1) of a step with this batch.
+
+    That of a GPipe step of equal chunks (`schedule.BubbleFraction`): exact
+    when v = 1 or K divides M.
+    """
     return schedule.BubbleFraction(self.num_stages,
                                    self.NumMicroBatches(batch_size),
                                    self.params.virtual_stages)

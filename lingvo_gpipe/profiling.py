@@ -4,11 +4,21 @@
 `planning.profile.CellProfile`: forward, backward and optimizer-update time
 on micro-batches of two sizes, the activation bytes its backward keeps, the
 workspace of its running backward, its output, weight, gradient and
-optimizer-slot bytes:
+optimizer-slot bytes. Two cells, one timed run per part:
 
-    profiles, _ = ProfileCells(
-        cells, sample_inputs, batch_dim=0, micro_batch_sizes=[4, 32],
-        optimizer_fn=lambda: tf.train.AdamOptimizer(1e-3))
+    >>> from lingvo.core import layers
+    >>> cells = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=8,
+    ...                                      output_dim=8).Instantiate()
+    ...          for i in range(2)]
+    >>> profiles, _ = ProfileCells(
+    ...     cells, (np.ones([32, 8], np.float32),), batch_dim=0,
+    ...     micro_batch_sizes=[4, 32], num_runs=1,
+    ...     optimizer_fn=lambda: tf.train.AdamOptimizer(1e-3))
+    >>> fc0 = profiles[0]
+    >>> fc0.name, fc0.weight_bytes, fc0.slot_bytes, fc0.output_bytes
+    ('fc0', 288.0, 576.0, 32.0)
+    >>> fc0.forward_s(32) > 0, fc0.update_s > 0
+    (True, True)
 
 A time is the fastest of its timed runs, not the median that partition costs
 take (`lingvo_gpipe.costs`): the parts of a cell (forward, forward +

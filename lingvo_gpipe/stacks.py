@@ -1,17 +1,26 @@
 """Lingvo's GPipe layers and stacks, run by GPipeSequentialLayer.
 
-A model moves from Lingvo's pipeline to ours by one import:
+A model moves from Lingvo's pipeline to ours by one import (a tiny stack
+here; time-major, so inputs are [time, batch]):
 
-    # from lingvo.core.layers_with_gpipe import GPipeTransformerStack
-    from lingvo_gpipe.stacks import GPipeTransformerStack
-
-    p = GPipeTransformerStack.Params().Set(
-        name='stack', model_dim=512, num_encoder_layers=6,
-        num_decoder_layers=6, splits=[3, 12], num_micro_batches=8)  # As before.
-    p.pipeline_tpl.remat = 'except_last'  # Optional: our pipeline's knobs.
-    stack = p.Instantiate()
-    xent, logits = stack.FProp(stack.theta, src_ids, src_paddings, tgt_ids,
-                               tgt_paddings, labels=..., label_weights=...)
+    >>> # from lingvo.core.layers_with_gpipe import GPipeTransformerStack
+    >>> from lingvo_gpipe.stacks import GPipeTransformerStack
+    >>> p = GPipeTransformerStack.Params().Set(  # Lingvo's params, as before.
+    ...     name='stack', model_dim=4, num_encoder_layers=1,
+    ...     num_decoder_layers=1, splits=[1, 2], num_micro_batches=2)
+    >>> emb = p.emb_tpl
+    >>> emb.token_emb.vocab_size, emb.token_emb.embedding_dim = 6, 4
+    >>> emb.position_emb.embedding_dim = 4
+    >>> p.softmax_tpl.input_dim, p.softmax_tpl.num_classes = 4, 6
+    >>> for tpl in (p.encoder_tpl, p.decoder_tpl):
+    ...   tpl.source_dim, tpl.tr_atten_tpl.num_attention_heads = 4, 1
+    >>> p.pipeline_tpl.remat = 'except_last'  # Optional: our pipeline's knobs.
+    >>> stack = p.Instantiate()
+    >>> ids, paddings = tf.ones([3, 2], tf.int32), tf.zeros([3, 2])
+    >>> xent, logits = stack.FProp(stack.theta, ids, paddings, ids, paddings,
+    ...                            labels=ids, label_weights=1.0 - paddings)
+    >>> logits.shape, stack.pipeline.partition, stack.BubbleFraction(2)
+    (TensorShape([3, 2, 6]), [2, 2], 0.3333333333333333)
 
 Each class subclasses Lingvo's own, so its Params are Lingvo's (plus
 `pipeline_tpl`), its `__init__` builds the cells exactly as Lingvo's does, and
@@ -87,9 +96,16 @@ def _PipelineParams(p):
 class PipeliningLayer(gpipe.PipeliningLayer):
   """Lingvo's gpipe.PipeliningLayer, run by a GPipeSequentialLayer.
 
-      p = PipeliningLayer.Params().Set(name='pipe', cell_tpl=lingvo_cells,
-                                       num_micro_batches=4)
-      y = p.Instantiate().FProp(theta, x)
+      >>> from lingvo.core import layers
+      >>> cells = [gpipe.FeatureExtractionLayer.Params().Set(
+      ...     name=f'cell_{k}', sub=[layers.FCLayer.Params().Set(
+      ...         name=f'fc{k}', input_dim=8, output_dim=8)])
+      ...          for k in range(2)]
+      >>> pipe = PipeliningLayer.Params().Set(
+      ...     name='pipe', cell_tpl=cells, num_micro_batches=4).Instantiate()
+      >>> y = pipe.FProp(pipe.theta, tf.ones([8, 8]))
+      >>> y.shape, pipe.pipeline.partition, sorted(pipe.theta.pipeline)
+      (TensorShape([8, 8]), [1, 1], ['fc0', 'fc1'])
 
   Same Params as Lingvo's (plus `pipeline_tpl`), same FProp. The cells'
   layers are the children of `self.pipeline`.
@@ -134,7 +150,10 @@ class PipeliningLayer(gpipe.PipeliningLayer):
     return dict(self._lingvo_scopes)
 
   def BubbleFraction(self, batch_size):
-    """The idle fraction (K - 1) / (M + K - 1) of a step with this batch."""
+    """The idle fraction (K - 1) / (M v + K - 1) of a step with this batch.
+
+    The pipeline's (`GPipeSequentialLayer.BubbleFraction`).
+    """
     return self.pipeline.BubbleFraction(batch_size)
 
   def FProp(self, theta, *args):

@@ -81,8 +81,8 @@ class PipelinedCall:
       ...     batch_dim=0, remat='always', engine='auto', schedule='gpipe',
       ...     memory=None)
       >>> batch = [tf.ones([8, 2])]
-      >>> call.Prepare(batch, training=True), call.Prepare(batch, training=False)
-      (4, 1)
+      >>> [call.Prepare(batch, training) for training in (True, False)]
+      [4, 1]
 
   Attributes:
     name: The front end's layer name, first in the plan log.
