@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from benchmarks import host
 from lingvo_gpipe.planning import schedule
 import tool_util
 
@@ -280,6 +281,8 @@ def testTimelineOfARealStep(runs):
   with open(os.path.join(runs['tmp'], 'tl_numbers.json')) as f:
     numbers = json.load(f)
   assert numbers['subcommand'] == 'timeline'
+  assert numbers['host'] == host.Describe()
+  assert f'Measured on {host.Summary(numbers["host"])}.' in stdout
   assert 0 < numbers['bubble_fraction'] < 1
   assert numbers['devices'] == {'0': [_Cpu(0)], '1': [_Cpu(1)]}
   assert len(numbers['events']) == num_stages * num_micro * 3
@@ -344,6 +347,9 @@ def testAutoVerifiesTheBest(runs):
     numbers = json.load(f)
   candidates = numbers['candidates']
   assert numbers['chosen'] == 0 and numbers['num_devices'] == 2
+  # The profiling worker's host, as this process (same environment) sees it.
+  assert numbers['host'] == numbers['profile']['host'] == host.Describe()
+  assert f'Profiled on {host.Summary(numbers["host"])}.' in stdout
   assert numbers['memory_per_device'] == 64 * 2**20
   for c in candidates:
     assert set(_CANDIDATE_KEYS) <= set(c), c

@@ -596,6 +596,8 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
         f'{" (loops lowered)" if engine == "loop" else ""}: {shape}, '
         f'{num_stages} CPU devices, {FLAGS.cells_per_stage} FC cells of '
         f'{FLAGS.fc_dim} per chunk, micro-batch size {FLAGS.micro_batch_size}')
+  measured_on = host.Describe()
+  print(f'Measured on {host.Summary(measured_on)}.')
   print(f'step time (first to last call): '
         f'{occupancy.step_time * factor:.4g} {unit}')
   print(_Bubble(num_stages, num_micro, occupancy.bubble_fraction))
@@ -624,6 +626,7 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
                 f'bubble {occupancy.bubble_fraction:.3f}', (factor, unit))
   return {
       'subcommand': 'timeline',
+      'host': measured_on,
       'schedule': FLAGS.schedule,
       'engine': engine,
       'num_stages': num_stages,
