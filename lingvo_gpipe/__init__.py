@@ -12,8 +12,11 @@
 Layers, each using only the ones below it:
 
 * `layers` (GPipeSequentialLayer), `cells` (Lingvo cells as stage functions),
-  `batchnorm` (micro-batch aware batch norm), `costs` (per-cell costs):
-  the Lingvo layer;
+  `batchnorm` (micro-batch aware batch norm), `costs` (per-cell costs),
+  `profiling` (what `plan.py auto` measures of each cell), `stacks`,
+  `from_lingvo` and `checkpoints` (Lingvo's GPipe stacks, params and
+  checkpoints): the Lingvo front end; `keras/`: the Keras 3 front end, which
+  loads no Lingvo;
 * `engine/`: the pipeline on TensorFlow alone;
 * `planning/`: schedules, simulation, partitioning, reports; no TensorFlow.
 
