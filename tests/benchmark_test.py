@@ -169,7 +169,10 @@ def testSpeedEndToEnd(runs):
   for m in measured:
     for key in ('step_s', 'warmup_s', 'build_s'):
       assert m[key] > 0, m
-    assert m['peak_mib'] >= 0, m
+    # The peak is the allocator's high mark after a reset to what was in use
+    # (the resident bytes); during the step, at least the first layer's
+    # output on the batch (16 x 16 floats) is allocated beside them.
+    assert m['peak_mib'] >= m['resident_mib'] + 16 * 16 * 4 / 2**20, m
   for m in numbers['measurements']:
     assert m['num_params'] == 2 * (16 * 16 + 16)
     assert len(m['runs']) == 1
