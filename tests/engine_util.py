@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.engine import loop
+from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.planning import schedule
 
 # Every (engine, remat) pair that builds a step.
@@ -19,6 +20,48 @@ ENGINE_REMAT_MODES = [(engine, remat) for engine in schedule.ENGINES
 NUM_DEVICES = 4
 CPUS = [f'/job:localhost/replica:0/task:0/device:CPU:{i}'
         for i in range(NUM_DEVICES)]
+
+
+# The engine tests' small model: four tanh layers of 6 x 6 weights, a batch
+# of 8.
+_RNG = np.random.RandomState(1)
+DENSE_WEIGHTS = [_RNG.randn(6, 6).astype(np.float32) * 0.5 for _ in range(4)]
+DENSE_X = _RNG.randn(8, 6).astype(np.float32)
+
+
+def DenseStage(theta, inputs, state, micro_batch_id):
+  """tanh layers; counts its calls and sums an auxiliary loss in `state`."""
+  del micro_batch_id
+  x, mask = inputs
+  for w in theta:
+    x = tf.tanh(tf.matmul(x, w))
+  new_state = {'calls': state['calls'] + 1,
+               'aux': state['aux'] + tf.reduce_mean(x)}
+  return (x, mask), new_state
+
+
+def Plain(weights, x):
+  for w in weights:
+    x = tf.tanh(tf.matmul(x, w))
+  return x
+
+
+def Piped(weights, x, k, m, remat, devices, engine, virtual_stages=1):
+  """The weights cut into K v chunks, chunk c on devices[c % K]."""
+  chunks = k * virtual_stages
+  per = len(weights) // chunks
+  pipe = pipeline.Pipeline([DenseStage] * chunks, devices[:k], m, remat=remat,
+                           engine=engine, virtual_stages=virtual_stages)
+  states = [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * chunks
+  (y, mask), states = pipe(
+      [weights[i * per:(i + 1) * per] for i in range(chunks)], [x, None],
+      states)
+  assert mask is None
+  return y, states
+
+
+def Loss(y, aux):
+  return tf.reduce_sum(y * y) + 3.0 * aux
 
 
 def SessionConfig():

@@ -2,6 +2,9 @@
 
 import re
 
+import numpy as np
+import tensorflow as tf
+
 from lingvo_gpipe.engine import loop
 from lingvo_gpipe.planning import schedule
 import engine_util
@@ -70,3 +73,36 @@ def testChannelOrderRejectsReorderedMicroBatches():
                                    virtual_stages=1, loss_outside=True,
                                    orders=orders)
   assert not loop.ChannelOrderHolds(table, loop.Edges(2, []))
+
+
+def _HloLines(engine, num_micro_batches, k=4, virtual_stages=1):
+  """Lines of the XLA HLO of a training step's gradients (4 layers)."""
+  ws = [tf.constant(w) for w in engine_util.DENSE_WEIGHTS]
+  x = tf.constant(np.tile(engine_util.DENSE_X, [4, 1]))  # Batch 32: M up to 32.
+
+  @tf.function(jit_compile=True, autograph=False)
+  def Step():
+    with tf.GradientTape() as tape:
+      tape.watch(ws)
+      y, states = engine_util.Piped(ws, x, k, num_micro_batches, 'always',
+                                    [''] * k, engine, virtual_stages)
+      loss = engine_util.Loss(y, states[-1]['aux'])
+    return tape.gradient(loss, ws)
+
+  return len(Step.experimental_get_compiler_ir()(stage='hlo').splitlines())
+
+
+def testLoopGraphDoesNotGrowWithM():
+  """The loop engine's compiled step is the same size for M = 4 and 32."""
+  loop = [_HloLines('loop', m) for m in (4, 32)]
+  unrolled = [_HloLines('unrolled', m) for m in (4, 32)]
+  assert loop[0] == loop[1], loop
+  assert unrolled[1] > 5 * unrolled[0], unrolled  # K x M calls.
+  assert loop[1] < unrolled[1], (loop, unrolled)
+
+
+def testCircularLoopGraphDoesNotGrowWithM():
+  """K = 2, v = 2 on the loop engine: the same HLO for M = 4 and 32."""
+  lines = [_HloLines('loop', m, k=2, virtual_stages=2) for m in (4, 32)]
+  # M is a loop bound, not a count of calls: not one more line at M = 32.
+  assert lines[0] == lines[1], lines

@@ -10,44 +10,9 @@ from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.planning import schedule
 import engine_util
 
-RNG = np.random.RandomState(1)
-WEIGHTS = [RNG.randn(6, 6).astype(np.float32) * 0.5 for _ in range(4)]
-X = RNG.randn(8, 6).astype(np.float32)
-
-
-def DenseStage(theta, inputs, state, micro_batch_id):
-  """tanh layers; counts its calls and sums an auxiliary loss in `state`."""
-  del micro_batch_id
-  x, mask = inputs
-  for w in theta:
-    x = tf.tanh(tf.matmul(x, w))
-  new_state = {'calls': state['calls'] + 1,
-               'aux': state['aux'] + tf.reduce_mean(x)}
-  return (x, mask), new_state
-
-
-def Plain(weights, x):
-  for w in weights:
-    x = tf.tanh(tf.matmul(x, w))
-  return x
-
-
-def Piped(weights, x, k, m, remat, devices, engine, virtual_stages=1):
-  """The weights cut into K v chunks, chunk c on devices[c % K]."""
-  chunks = k * virtual_stages
-  per = len(weights) // chunks
-  pipe = pipeline.Pipeline([DenseStage] * chunks, devices[:k], m, remat=remat,
-                           engine=engine, virtual_stages=virtual_stages)
-  states = [{'calls': tf.constant(0), 'aux': tf.constant(0.0)}] * chunks
-  (y, mask), states = pipe(
-      [weights[i * per:(i + 1) * per] for i in range(chunks)], [x, None],
-      states)
-  assert mask is None
-  return y, states
-
-
-def Loss(y, aux):
-  return tf.reduce_sum(y * y) + 3.0 * aux
+WEIGHTS, X = engine_util.DENSE_WEIGHTS, engine_util.DENSE_X
+DenseStage, Plain, Piped, Loss = (engine_util.DenseStage, engine_util.Plain,
+                                  engine_util.Piped, engine_util.Loss)
 
 
 def _CheckTransparentInGraph(engine, k, virtual_stages, micro_batches):
@@ -111,45 +76,6 @@ def testTransparentInFunction(jit_compile, engine):
                                 [e.numpy() for e in expected])
 
 
-@pytest.mark.parametrize('remat', schedule.REMAT_MODES)
-def testForwardCallsWithSideEffectsAreInlinedInGraphMode(remat):
-  """Grappler inlines the unrolled engine's forward calls of stateful bodies.
-
-  It inlines a call with side effects (here an Assert, as Lingvo's layers
-  have) only where the call has outgoing control edges; a call left as a
-  call runs as a multi-device function of several executor runs.
-
-  Args:
-    remat: The remat mode.
-  """
-
-  def AssertingStage(theta, inputs, state, micro_batch_id):
-    del micro_batch_id
-    (x,) = inputs
-    with tf.control_dependencies(
-        [tf.debugging.Assert(tf.reduce_all(tf.math.is_finite(x)), [x])]):
-      x = tf.identity(x)
-    return (Plain(theta, x),), state
-
-  graph = tf.Graph()
-  with graph.as_default():
-    ws = [tf.constant(w) for w in WEIGHTS]
-    pipe = pipeline.Pipeline([AssertingStage] * 2, engine_util.CPUS[:2], 2,
-                             remat=remat, engine='unrolled')
-    (y,), _ = pipe([ws[:2], ws[2:]], [tf.constant(X)], [tf.constant(0)] * 2)
-    grads = tf.gradients(tf.reduce_sum(y * y), ws)
-    with tf.compat.v1.Session(
-        graph=graph, config=engine_util.SessionConfig()) as sess:
-      metadata = tf.compat.v1.RunMetadata()
-      sess.run(grads,
-               options=tf.compat.v1.RunOptions(output_partition_graphs=True),
-               run_metadata=metadata)
-  calls = [n.name for g in metadata.partition_graphs for n in g.node
-           if n.op == 'StatefulPartitionedCall' and
-           not n.name.startswith('gradients/')]
-  assert not calls
-
-
 def testMicroBatchIdsAreStepTimesMPlusIndexInOrder(engine):
 
   def Stage(theta, inputs, state, micro_batch_id):
@@ -201,39 +127,6 @@ def testIndivisibleBatchFailsBeforeBuilding(engine):
     with pytest.raises(ValueError, match='does not divide the batch size 8'):
       pipe([[]], [x, None])
     assert len(graph.get_operations()) == num_ops
-
-
-def _HloLines(engine, num_micro_batches, k=4, virtual_stages=1):
-  """Lines of the XLA HLO of a training step's gradients (4 layers)."""
-  ws = [tf.constant(w) for w in WEIGHTS]
-  x = tf.constant(np.tile(X, [4, 1]))  # Batch 32: M up to 32.
-
-  @tf.function(jit_compile=True, autograph=False)
-  def Step():
-    with tf.GradientTape() as tape:
-      tape.watch(ws)
-      y, states = Piped(ws, x, k, num_micro_batches, 'always', [''] * k,
-                        engine, virtual_stages)
-      loss = Loss(y, states[-1]['aux'])
-    return tape.gradient(loss, ws)
-
-  return len(Step.experimental_get_compiler_ir()(stage='hlo').splitlines())
-
-
-def testLoopGraphDoesNotGrowWithM():
-  """The loop engine's compiled step is the same size for M = 4 and 32."""
-  loop = [_HloLines('loop', m) for m in (4, 32)]
-  unrolled = [_HloLines('unrolled', m) for m in (4, 32)]
-  assert loop[0] == loop[1], loop
-  assert unrolled[1] > 5 * unrolled[0], unrolled  # K x M calls.
-  assert loop[1] < unrolled[1], (loop, unrolled)
-
-
-def testCircularLoopGraphDoesNotGrowWithM():
-  """K = 2, v = 2 on the loop engine: the same HLO for M = 4 and 32."""
-  lines = [_HloLines('loop', m, k=2, virtual_stages=2) for m in (4, 32)]
-  # M is a loop bound, not a count of calls: not one more line at M = 32.
-  assert lines[0] == lines[1], lines
 
 
 # Schedules with the loss inside the pipeline (1F1B).

@@ -9,7 +9,9 @@ it: memory_test.py, docs/design.md).
 import re
 
 import pytest
+import tensorflow as tf
 
+from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.engine import trace
 from lingvo_gpipe.engine import unrolled
 from lingvo_gpipe.planning import schedule
@@ -160,3 +162,43 @@ def testCheckTableAcceptsOnlyBackwardsInReverseForwardOrder():
   with pytest.raises(ValueError, match="schedule='1f1b' does not on device 0; "
                      "use engine='loop'"):
     unrolled.CheckTable(schedule.BuildTable('1f1b', 2, 4))
+
+
+@pytest.mark.parametrize('remat', schedule.REMAT_MODES)
+def testForwardCallsWithSideEffectsAreInlinedInGraphMode(remat):
+  """Grappler inlines the unrolled engine's forward calls of stateful bodies.
+
+  It inlines a call with side effects (here an Assert, as Lingvo's layers
+  have) only where the call has outgoing control edges; a call left as a
+  call runs as a multi-device function of several executor runs.
+
+  Args:
+    remat: The remat mode.
+  """
+
+  def AssertingStage(theta, inputs, state, micro_batch_id):
+    del micro_batch_id
+    (x,) = inputs
+    with tf.control_dependencies(
+        [tf.debugging.Assert(tf.reduce_all(tf.math.is_finite(x)), [x])]):
+      x = tf.identity(x)
+    return (engine_util.Plain(theta, x),), state
+
+  graph = tf.Graph()
+  with graph.as_default():
+    ws = [tf.constant(w) for w in engine_util.DENSE_WEIGHTS]
+    pipe = pipeline.Pipeline([AssertingStage] * 2, engine_util.CPUS[:2], 2,
+                             remat=remat, engine='unrolled')
+    (y,), _ = pipe([ws[:2], ws[2:]], [tf.constant(engine_util.DENSE_X)],
+                   [tf.constant(0)] * 2)
+    grads = tf.gradients(tf.reduce_sum(y * y), ws)
+    with tf.compat.v1.Session(
+        graph=graph, config=engine_util.SessionConfig()) as sess:
+      metadata = tf.compat.v1.RunMetadata()
+      sess.run(grads,
+               options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+               run_metadata=metadata)
+  calls = [n.name for g in metadata.partition_graphs for n in g.node
+           if n.op == 'StatefulPartitionedCall' and
+           not n.name.startswith('gradients/')]
+  assert not calls
