@@ -1,8 +1,6 @@
-"""Tests of planning.simulate's memory model: gradients and workspaces.
+"""Tests of planning.simulate: a table's timing, bubble and memory model."""
 
-(Its timing, bubbles and engines are tested with the tables, in
-schedule_test.py.)
-"""
+import math
 
 import pytest
 
@@ -60,3 +58,239 @@ def testWorkspaceOfTheBackwardRunningAtThePeak():
   assert sim.peak_memory[1] == 24.0 and sim.peak_backward_chunk[1] is None
   with pytest.raises(ValueError, match='backward_memory'):
     simulate.Simulate(table, [1.0] * 4, [1.0] * 4, backward_memory=[1.0])
+
+
+def _Simulate(forward, backward, num_micro, remat='always', transfer=0.0,
+              **kwargs):
+  table = schedule.BuildTable('gpipe', len(forward), num_micro)
+  return simulate.Simulate(table, forward, backward, remat, transfer,
+                           **kwargs)
+
+
+def _StepFormula(forward, backward, num_micro, remat, transfer=0.0):
+  """Flow-shop makespan of identical micro-batches: sum + (M - 1) * max."""
+  calls = [f + b if remat == 'always' else b
+           for f, b in zip(forward, backward)]
+  return sum(
+      sum(costs) + (num_micro - 1) * max(costs) + (len(costs) - 1) * transfer
+      for costs in (forward, calls))
+
+
+@pytest.mark.parametrize('remat', ['always', 'never'])
+@pytest.mark.parametrize('k,m', [(1, 1), (1, 4), (2, 3), (4, 8), (8, 32),
+                                 (16, 4)])
+def testSimulateEqualStagesMatchClosedForm(k, m, remat):
+  sim = _Simulate([1.0] * k, [2.0] * k, m, remat=remat)
+  assert sim.bubble_fraction == pytest.approx(schedule.BubbleFraction(k, m))
+  call = 3.0 if remat == 'always' else 2.0
+  assert sim.forward_time == m + k - 1
+  assert sim.step_time == (m + k - 1) * (1.0 + call)
+  assert sim.utilization == pytest.approx([m / (m + k - 1)] * k)
+
+
+@pytest.mark.parametrize('lockstep', [False, True])
+@pytest.mark.parametrize('k,v,m', [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 4, 8)])
+def testSimulateCircularEqualChunksMatchClosedForm(k, v, m, lockstep):
+  """Chunks a v-th the size: the step is (M v + K - 1) chunk ticks a phase."""
+  table = schedule.BuildTable('gpipe', k, m, v)
+  sim = simulate.Simulate(table, [1.0 / v] * (k * v), [2.0 / v] * (k * v),
+                          'never', lockstep=lockstep)
+  assert sim.bubble_fraction == pytest.approx(
+      schedule.BubbleFraction(k, m, v))
+  assert sim.step_time == pytest.approx((m * v + k - 1) * 3.0 / v)
+  # K = 2, M = 2: v = 2 takes 2.5 / 3 of GPipe's step (the ideal 0.83).
+  if (k, m) == (2, 2):
+    gpipe = _Simulate([1.0] * k, [2.0] * k, m, 'never')
+    assert sim.step_time / gpipe.step_time == pytest.approx(
+        (2 * v + 1) / v / 3)
+
+
+def testSimulateUnevenStagesByHand():
+  # K = 2, M = 2, forward 1 and 3, backward 2 and 4, no recompute:
+  #   stage 0: F0 [0, 1], F1 [1, 2],                   B1 [11, 13], B0 [15, 17]
+  #   stage 1:   F0 [1, 4], F1 [4, 7], B1 [7, 11], B0 [11, 15]
+  sim = _Simulate([1, 3], [2, 4], 2, remat='never')
+  E = simulate.Event  # pylint: disable=invalid-name
+  assert sim.events == [
+      E(0, 0, 0, 'forward', 0, 1), E(0, 0, 1, 'forward', 1, 2),
+      E(0, 0, 1, 'backward', 11, 13), E(0, 0, 0, 'backward', 15, 17),
+      E(1, 1, 0, 'forward', 1, 4), E(1, 1, 1, 'forward', 4, 7),
+      E(1, 1, 1, 'backward', 7, 11), E(1, 1, 0, 'backward', 11, 15),
+  ]
+  assert sim.forward_time == 7 and sim.step_time == 17
+  assert sim.utilization == pytest.approx([6 / 17, 14 / 17])
+  assert sim.bubble_fraction == pytest.approx(1 - 20 / 34)
+  # With remat every backward call first recomputes its forward.
+  sim = _Simulate([1, 3], [2, 4], 2)
+  assert [e for e in sim.events if e.stage == 1 and e.phase != 'forward'] == [
+      E(1, 1, 1, 'recompute', 7, 10), E(1, 1, 1, 'backward', 10, 14),
+      E(1, 1, 0, 'recompute', 14, 17), E(1, 1, 0, 'backward', 17, 21),
+  ]
+  assert sim.step_time == 24
+
+
+def testSimulateLockstepTicksWaitForTheSlowestDevice():
+  """The loop engine ends a tick on every device before the next begins.
+
+  K = 2, M = 2, forward 1 and 3, backward 2 and 4, no recompute: ticks of
+  1, 3, 3 (forward) and 4, 4, 2 (backward), 17 as in dataflow; a tick
+  overhead of 0.5 adds 6 x 0.5. K = 3, M = 4, forward and backward 3, 1, 3:
+  dataflow lets the cheap middle stage run ahead, 2 x (7 + 3 x 3) = 32, where
+  each of the 2 x 6 lockstep ticks lasts 3: 36.
+  """
+  table = schedule.BuildTable('gpipe', 2, 2)
+  dataflow = simulate.Simulate(table, [1, 3], [2, 4], 'never')
+  lockstep = simulate.Simulate(table, [1, 3], [2, 4], 'never', lockstep=True)
+  assert dataflow.step_time == lockstep.step_time == 17
+  overhead = simulate.Simulate(table, [1, 3], [2, 4], 'never', lockstep=True,
+                               tick_overhead=0.5)
+  assert overhead.step_time == 17 + 6 * 0.5
+  table = schedule.BuildTable('gpipe', 3, 4)
+  dataflow = simulate.Simulate(table, [3, 1, 3], [3, 1, 3], 'never')
+  lockstep = simulate.Simulate(table, [3, 1, 3], [3, 1, 3], 'never',
+                               lockstep=True)
+  assert (dataflow.step_time, lockstep.step_time) == (32, 36)
+
+
+@pytest.mark.parametrize('remat', ['always', 'never'])
+def testSimulateUnevenStagesFollowFlowShopFormula(remat):
+  forward = [0.5, 2.0, 1.25, 0.75, 3.0]
+  backward = [1.0, 3.5, 2.0, 2.5, 1.0]
+  for m in (1, 2, 7):
+    for transfer in (0.0, 0.3):
+      sim = _Simulate(forward, backward, m, remat, transfer)
+      assert sim.step_time == pytest.approx(
+          _StepFormula(forward, backward, m, remat, transfer))
+  # The slowest stage sets the pace: the bubble exceeds the closed form.
+  sim = _Simulate(forward, backward, 8, remat)
+  assert sim.bubble_fraction > schedule.BubbleFraction(5, 8)
+
+
+def testSimulateTransferCost():
+  k, m = 4, 8
+  base = _Simulate([1.0] * k, [2.0] * k, m)
+  slow = _Simulate([1.0] * k, [2.0] * k, m, transfer=0.5)
+  # Each of the forward and backward passes crosses K - 1 stage boundaries.
+  assert slow.step_time == pytest.approx(base.step_time + 2 * (k - 1) * 0.5)
+  assert slow.bubble_fraction > base.bubble_fraction
+  stage1 = [e for e in slow.events if e.stage == 1 and e.phase == 'forward']
+  assert stage1[0].start == 1.5  # Stage 0's forward ends at 1, + transfer.
+
+
+@pytest.mark.parametrize('remat, inputs, activations', [
+    ('always', 4, 1),  # M inputs + one call's activations while it runs.
+    ('except_last', 4, 1),  # The last call keeps its activations (+ M inputs).
+    ('never', 4, 4),  # Every call keeps its input and activations.
+])
+def testSimulateMemoryModel(remat, inputs, activations):
+  sim = _Simulate([1, 1], [2, 2], 4, remat)
+  assert sim.peak_inputs == [inputs, inputs]
+  assert sim.peak_activations == [activations, activations]
+  assert sim.peak_memory == [activations, activations]  # Inputs count 0.
+  sim = _Simulate([1, 1], [2, 2], 4, remat, input_memory=[10, 20],
+                  activation_memory=[100, 300])
+  assert sim.peak_memory == [inputs * 10 + activations * 100,
+                             inputs * 20 + activations * 300]
+
+
+def testSimulateCircularMemoryCountsEveryChunkOfADevice():
+  """Device 0 of K = 2, v = 2 holds chunk 0's and chunk 2's inputs at once."""
+  table = schedule.BuildTable('gpipe', 2, 4, 2)
+  sim = simulate.Simulate(table, [1.0] * 4, [2.0] * 4, 'always',
+                          input_memory=[1, 10, 100, 1000],
+                          activation_memory=[5, 5, 5, 5])
+  # At the last forward (chunk 2 or 3 on micro-batch 3): 4 inputs of each
+  # chunk of the device + the running call's activations.
+  assert sim.peak_inputs == [8, 8]
+  assert sim.peak_activations == [1, 1]
+  assert sim.peak_memory == [4 * 1 + 4 * 100 + 5, 4 * 10 + 4 * 1000 + 5]
+  never = simulate.Simulate(table, [1.0] * 4, [2.0] * 4, 'never')
+  assert never.peak_activations == [8, 8]
+
+
+def testSimulateOneMicroBatchHoldsOneCall():
+  for remat in schedule.REMAT_MODES:
+    sim = _Simulate([1], [1], 1, remat, input_memory=[1])
+    assert (sim.peak_inputs, sim.peak_activations, sim.peak_memory) == (
+        [1], [1], [2])
+
+
+@pytest.mark.parametrize('remat', schedule.REMAT_MODES)
+def testSimulatedEventsFollowTheTable(remat):
+  k, m, transfer = 3, 5, 0.25
+  sim = _Simulate([1.0, 2.0, 0.5], [2.0, 1.0, 3.0], m, remat, transfer)
+  events = {(e.stage, e.micro_batch, e.phase): e for e in sim.events}
+  assert len(events) == len(sim.events)
+  recomputes = schedule.RecomputedCalls(sim.table, remat)
+
+  def CallStart(stage, i):  # The backward call begins with its recompute.
+    return events.get((stage, i, 'recompute'), events[stage, i,
+                                                      'backward']).start
+
+  for stage in range(k):
+    own = [e for e in sim.events if e.stage == stage]
+    assert all(a.end <= b.start for a, b in zip(own, own[1:]))  # Serial.
+    assert [e.micro_batch for e in own if e.phase == 'forward'] == list(
+        range(m))
+    assert [e.micro_batch for e in own if e.phase == 'backward'] == list(
+        reversed(range(m)))
+    for i in range(m):
+      recompute = events.get((stage, i, 'recompute'))
+      assert (recompute is not None) == recomputes[stage, i]
+      if recompute:
+        assert recompute.end == events[stage, i, 'backward'].start
+      assert CallStart(stage, i) >= sim.forward_time
+      if stage:  # Activations flow up, gradients down, each with a transfer.
+        assert events[stage, i, 'forward'].start >= (
+            events[stage - 1, i, 'forward'].end + transfer)
+        assert CallStart(stage - 1, i) >= (
+            events[stage, i, 'backward'].end + transfer)
+  occupancy = simulate.StageOccupancy(sim.events, k)
+  assert occupancy.step_time == pytest.approx(sim.step_time)
+  assert occupancy.bubble_fraction == pytest.approx(sim.bubble_fraction)
+  assert occupancy.utilization == pytest.approx(sim.utilization)
+
+
+def testSimulateLargePipeline():
+  """K = 128, M = 1024: every call simulated (timed in docs/planning.md)."""
+  sim = _Simulate([1.0] * 128, [2.0] * 128, 1024)
+  assert len(sim.events) == 3 * 128 * 1024  # Forward, recompute, backward.
+  assert sim.bubble_fraction == pytest.approx(
+      schedule.BubbleFraction(128, 1024))
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(forward_costs=[]), 'forward_costs has 0 entries'),
+    (dict(forward_costs='12'), "forward_costs='12' must be a list"),
+    (dict(forward_costs=[1, -1]), r'forward_costs\[1\]=-1 must be a finite'),
+    (dict(forward_costs=[1, math.inf]), r'forward_costs\[1\]=inf must be'),
+    (dict(backward_costs=[1]), r'backward_costs has 1 entries .* expected 2 '
+     r'\(one per chunk'),
+    (dict(backward_costs=[1, True]), r'backward_costs\[1\]=True must be'),
+    (dict(remat='sometimes'), "remat='sometimes' is not supported; use one "
+     r"of \['always', 'except_last', 'never'\]"),
+    (dict(transfer_cost=-0.5), 'transfer_cost=-0.5 must be a finite number'),
+    (dict(tick_overhead=math.nan), 'tick_overhead=nan must be a finite'),
+    (dict(input_memory=[1]), 'input_memory has 1 entries'),
+    (dict(activation_memory=[1, 'x']), r"activation_memory\[1\]='x' must"),
+    (dict(forward_costs=[0, 0], backward_costs=[0, 0]), 'all zero'),
+])
+def testSimulateRejectsBadArguments(kwargs, message):
+  args = dict(table=schedule.BuildTable('gpipe', 2, 2), forward_costs=[1, 1],
+              backward_costs=[2, 2])
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    simulate.Simulate(**args)
+
+
+def testStageOccupancy():
+  events = [simulate.Event(0, 0, 0, 'forward', 1.0, 2.0),
+            simulate.Event(1, 1, 0, 'forward', 2.0, 5.0)]
+  occupancy = simulate.StageOccupancy(events, 2)
+  assert occupancy.step_time == 4.0
+  assert occupancy.utilization == [0.25, 0.75]
+  assert occupancy.bubble_fraction == 0.5
+  with pytest.raises(ValueError, match=r'stage=1, outside \[0, 1\)'):
+    simulate.StageOccupancy(events, 1)
+  with pytest.raises(ValueError, match='events is empty'):
+    simulate.StageOccupancy([], 1)
