@@ -101,13 +101,7 @@ def _StackParams(splits, num_micro_batches, engine=None, remat=None):
   """A batch-major stack: embedding, encoder, decoder, softmax (packed)."""
   cls = (layers_with_gpipe.GPipeBatchMajorTransformerStack if engine is None
          else stacks.GPipeBatchMajorTransformerStack)
-  p = cls.Params().Set(name='stack', model_dim=DIM, num_encoder_layers=1,
-                       num_decoder_layers=1, packed_input=True, splits=splits,
-                       num_micro_batches=num_micro_batches, random_seed=1)
-  for tpl in (p.encoder_tpl, p.decoder_tpl):
-    tpl.input_dim = DIM
-    tpl.tr_atten_tpl.num_heads = 2
-    tpl.tr_fflayer_tpl.hidden_dim = 2 * DIM
+  p = test_util.BatchMajorStackParams(cls, splits, num_micro_batches, DIM)
   p.emb_tpl.token_emb.Set(vocab_size=VOCAB, embedding_dim=DIM)
   p.emb_tpl.position_emb.Set(embedding_dim=DIM)
   p.softmax_tpl.Set(input_dim=DIM, num_classes=VOCAB)

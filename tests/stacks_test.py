@@ -41,14 +41,8 @@ def _TimeMajorParams(cls, splits, num_micro_batches):
 
 
 def _BatchMajorParams(cls, splits, num_micro_batches):
-  p = cls.Params().Set(name='stack', model_dim=DIM, num_encoder_layers=1,
-                       num_decoder_layers=1, packed_input=True, splits=splits,
-                       num_micro_batches=num_micro_batches, random_seed=1)
-  for tpl in (p.encoder_tpl, p.decoder_tpl):
-    tpl.input_dim = DIM
-    tpl.tr_atten_tpl.num_heads = 2
-    tpl.tr_fflayer_tpl.hidden_dim = 2 * DIM
-  return _Shared(p)
+  return _Shared(test_util.BatchMajorStackParams(cls, splits,
+                                                 num_micro_batches, DIM))
 
 
 def _Shared(p):

@@ -82,6 +82,28 @@ def TransformerCells(num_cells=4, dim=8):
   ]
 
 
+def BatchMajorStackParams(cls, splits, num_micro_batches, dim):
+  """A small packed-input batch-major Transformer stack: 1 encoder, 1 decoder.
+
+  Args:
+    cls: Lingvo's `GPipeBatchMajorTransformerStack` or ours.
+    splits: Lingvo's split of the cells.
+    num_micro_batches: M.
+    dim: The model dimension (2 heads, feed-forward 2 dim).
+
+  Returns:
+    The stack's Params; embeddings and softmax are left to the caller.
+  """
+  p = cls.Params().Set(name='stack', model_dim=dim, num_encoder_layers=1,
+                       num_decoder_layers=1, packed_input=True, splits=splits,
+                       num_micro_batches=num_micro_batches, random_seed=1)
+  for tpl in (p.encoder_tpl, p.decoder_tpl):
+    tpl.input_dim = dim
+    tpl.tr_atten_tpl.num_heads = 2
+    tpl.tr_fflayer_tpl.hidden_dim = 2 * dim
+  return p
+
+
 def PipeParams(cells, **kwargs):
   return GPipeSequentialLayer.Params().Set(name='pipe', cell_tpl=cells,
                                            **kwargs)
