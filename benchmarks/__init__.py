@@ -8,6 +8,8 @@ plain stack. One module per concern:
   measure      one configuration's step time and peak memory (in a worker)
   worker       `python -m benchmarks.worker CONFIG`: measure in a fresh process
   runner       configurations, worker subprocesses, medians over repeats
+  host         the measuring host: CPU, oneDNN, an allocator that keeps
+               peak statistics on every host
   memory       the `benchmark.py memory` table and largest-model search
   speed        the `benchmark.py speed` comparison with Lingvo's GPipe
   traced_step  a traced training step for `plan.py timeline`
