@@ -12,10 +12,12 @@ F, B = schedule.FORWARD, schedule.BACKWARD
 A = schedule.Action
 
 
-def _Table(ticks, num_devices=2, virtual_stages=1, num_micro=2,
+def _Table(ticks, num_devices=2, num_micro=2, virtual_stages=1,
            loss_outside=True):
-  return schedule.Table('hand', num_devices, virtual_stages, num_micro,
-                        loss_outside, tuple(tuple(t) for t in ticks))
+  return schedule.Table(
+      schedule='hand', num_devices=num_devices, num_micro_batches=num_micro,
+      virtual_stages=virtual_stages, loss_outside=loss_outside,
+      ticks=tuple(tuple(t) for t in ticks))
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (1, 5), (3, 1), (4, 8), (8, 3)])

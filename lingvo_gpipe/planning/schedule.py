@@ -76,8 +76,8 @@ class Table:
   Attributes:
     schedule: The name of the schedule that made it (a key of `SCHEDULES`).
     num_devices: K.
-    virtual_stages: v; the step has K * v chunks, chunk c on device c mod K.
     num_micro_batches: M.
+    virtual_stages: v; the step has K * v chunks, chunk c on device c mod K.
     loss_outside: Whether the loss is computed after the pipeline from all
       micro-batches' outputs (GPipe), so that no backward action may run
       before every forward of the last chunk.
@@ -85,8 +85,8 @@ class Table:
   """
   schedule: str
   num_devices: int
-  virtual_stages: int
   num_micro_batches: int
+  virtual_stages: int
   loss_outside: bool
   ticks: Tuple[Tick, ...]
 
@@ -327,12 +327,14 @@ def TableFromOrders(schedule: str, num_devices: int, num_micro_batches: int,
     for action, i in zip(order, ids[k]):
       ticks[earliest[i]][k] = action
   return Validate(
-      Table(schedule, num_devices, virtual_stages, num_micro_batches,
-            loss_outside, tuple(tuple(tick) for tick in ticks)))
+      Table(schedule=schedule, num_devices=num_devices,
+            num_micro_batches=num_micro_batches,
+            virtual_stages=virtual_stages, loss_outside=loss_outside,
+            ticks=tuple(tuple(tick) for tick in ticks)))
 
 
-def _GPipeOrders(num_devices: int, virtual_stages: int,
-                 num_micro_batches: int) -> List[List[Action]]:
+def _GPipeOrders(num_devices: int, num_micro_batches: int,
+                 virtual_stages: int) -> List[List[Action]]:
   """Each device's actions in GPipe order, circular when v > 1.
 
   Forward: the micro-batches go in groups of K (the last group may be
@@ -342,8 +344,8 @@ def _GPipeOrders(num_devices: int, virtual_stages: int,
 
   Args:
     num_devices: K.
-    virtual_stages: v.
     num_micro_batches: M.
+    virtual_stages: v.
 
   Returns:
     Per device, its forward actions, then its backward actions.
@@ -388,11 +390,11 @@ def GPipeTable(num_devices: int, num_micro_batches: int,
   return TableFromOrders(
       'gpipe', num_devices=num_devices, num_micro_batches=num_micro_batches,
       virtual_stages=virtual_stages, loss_outside=True,
-      orders=_GPipeOrders(num_devices, virtual_stages, num_micro_batches))
+      orders=_GPipeOrders(num_devices, num_micro_batches, virtual_stages))
 
 
-def _OneFOneBOrders(num_devices: int, virtual_stages: int,
-                    num_micro_batches: int) -> List[List[Action]]:
+def _OneFOneBOrders(num_devices: int, num_micro_batches: int,
+                    virtual_stages: int) -> List[List[Action]]:
   """Each device's actions in 1F1B order; Megatron's interleaving if v > 1.
 
   The forward of virtual micro-batch i (i < M v) on device k runs chunk
@@ -405,8 +407,8 @@ def _OneFOneBOrders(num_devices: int, virtual_stages: int,
 
   Args:
     num_devices: K.
-    virtual_stages: v.
     num_micro_batches: M (a multiple of K when v > 1).
+    virtual_stages: v.
 
   Returns:
     Per device, its actions in order.
@@ -474,7 +476,7 @@ def OneFOneBTable(num_devices: int, num_micro_batches: int,
   return TableFromOrders(
       '1f1b', num_devices=num_devices, num_micro_batches=num_micro_batches,
       virtual_stages=virtual_stages, loss_outside=False,
-      orders=_OneFOneBOrders(num_devices, virtual_stages, num_micro_batches))
+      orders=_OneFOneBOrders(num_devices, num_micro_batches, virtual_stages))
 
 
 class Schedule(NamedTuple):
