@@ -374,7 +374,10 @@ def testAutoVerifiesTheBest(runs):
   # What the measured data-parallel step held beyond its prediction is
   # charged to every configuration with replicas, and only to those.
   extra = numbers['profile']['replica_overhead_bytes']
-  assert extra >= 0
+  replicated = numbers['profile']['replica_step']
+  assert replicated['replicas'] == 2 and replicated['num_stages'] == 1
+  assert extra == max(replicated['measured_peak_bytes'] -
+                      replicated['predicted_peak_bytes'], 0.0)
   for c in candidates:
     assert c['peak_terms']['replicas'] == (extra if c['replicas'] > 1 else 0)
   assert re.search(r'^#0 .* device 0: peak predicted', stdout,

@@ -733,6 +733,7 @@ def _LoadProfile() -> Tuple[profile_lib.Profile, Dict[str, Any]]:
             0.0))
     raw['replica_overhead_s'] = profile.replica_overhead_s
     raw['replica_overhead_bytes'] = profile.replica_overhead_bytes
+    raw['replica_step'] = replicated.ToJson()  # What they were derived from.
   if FLAGS.profile_out:
     with open(FLAGS.profile_out, 'w') as f:
       json.dump(raw, f, indent=2)
