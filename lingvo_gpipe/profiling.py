@@ -57,7 +57,10 @@ BACKWARD_SCOPE = 'profiled_backward'
 # matrix-product temporary at a time in some runs and two in others, in
 # proportions that change between processes. Workspaces are the least of
 # the runs (the fewest temporaries at once, a property of the cell rather
-# than of one run's order); kept bytes the largest.
+# than of one run's order); kept bytes the largest. The bytes are what the
+# allocator handed out: TensorFlow's BFC allocator (the measuring workers')
+# rounds each request up to 256 bytes and may give a free chunk of up to
+# twice the request whole, more often in a process that allocated before.
 TRACED_RUNS = 9
 
 

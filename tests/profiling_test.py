@@ -89,13 +89,16 @@ def testHeldAtForwardEnd():
 
 def testProfileCellKeptBytesOfLingvoFeedForward():
   # Lingvo's transformer feed-forward layer on [time 4, batch 8, dim 8]: 32
-  # positions. What its forward holds for the backward is measured from a
-  # traced run and is the same in every run: at least the ReLU output and its
-  # padding-masked copy (16 floats each per position), at most every tensor
-  # the forward makes (layer norm 8, hidden 16, ReLU 16, masked copy 16,
-  # output 8 and residual 8 floats per position). The bytes in between
-  # depend on Grappler's rewrites and the allocator's rounding, which differ
-  # between TensorFlow versions and allocators.
+  # positions. What its forward holds for the backward is measured from
+  # traced runs: at least the ReLU output and its padding-masked copy (16
+  # floats each per position), at most every tensor the forward makes (layer
+  # norm 8, hidden 16, ReLU 16, masked copy 16, output 8 and residual 8
+  # floats per position) as the allocator hands them out. The allocation
+  # records hold what the allocator gave, not what was asked: TensorFlow's
+  # BFC allocator (the tests' and the measuring workers') rounds to 256 bytes
+  # and gives a free chunk whole when it is less than twice the request, so
+  # a process that allocated before may record up to twice the bytes.
+  # Grappler's rewrites and the allocator's state decide where in between.
   from lingvo.core import layers_with_attention  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     cell = layers_with_attention.TransformerFeedForwardLayer.Params().Set(
@@ -103,9 +106,9 @@ def testProfileCellKeptBytesOfLingvoFeedForward():
   inputs = (np.ones([4, 8, 8], np.float32), np.zeros([4, 8], np.float32))
   runs = [profiling.ProfileCell(cell, inputs, num_warmup=1, num_runs=1)
           for _ in range(2)]
-  assert runs[0].kept_bytes == runs[1].kept_bytes
-  assert (32 * 2 * 16 * 4 <= runs[0].kept_bytes <=
-          32 * (8 + 3 * 16 + 2 * 8) * 4), runs[0]
+  for run in runs:
+    assert (32 * 2 * 16 * 4 <= run.kept_bytes <=
+            2 * 32 * (8 + 3 * 16 + 2 * 8) * 4), run
   assert runs[0].output_bytes == 32 * 8 * 4
   # Its backward's own kernels make at least the gradient of the hidden
   # layer (16 floats per position) beside the weight gradients.
