@@ -193,7 +193,6 @@ class Runner:
   Attributes:
     parallel: How many workers run at once.
     num_runs: Workers run so far.
-    host: `host.Describe()` of the first worker that measured (None before).
   """
 
   def __init__(self, parallel: int,
@@ -207,7 +206,6 @@ class Runner:
     """
     self.parallel = parallel
     self.num_runs = 0
-    self.host = None
     self._report = report or (lambda line: None)
     self._slots = threading.Semaphore(parallel)
     self._lock = threading.Lock()
@@ -236,8 +234,6 @@ class Runner:
     for line in proc.stdout.splitlines():
       if line.startswith(RESULT_PREFIX):
         result = json.loads(line[len(RESULT_PREFIX):])
-        with self._lock:
-          self.host = self.host or result['host']
         self._report(f'  {Name(config)}, {config["num_layers"]} layers: peak '
                      f'{result["peak_mib"]:.1f} MiB, step '
                      f'{result["step_s"]:.2f} s')
