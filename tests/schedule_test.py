@@ -13,11 +13,11 @@ A = schedule.Action
 
 
 def _Table(ticks, num_devices=2, num_micro=2, virtual_stages=1,
-           loss_outside=True):
+           loss_outside=True, placement=()):
   return schedule.Table(
       schedule='hand', num_devices=num_devices, num_micro_batches=num_micro,
       virtual_stages=virtual_stages, loss_outside=loss_outside,
-      ticks=tuple(tuple(t) for t in ticks))
+      ticks=tuple(tuple(t) for t in ticks), placement=placement)
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (1, 5), (3, 1), (4, 8), (8, 3)])
@@ -140,6 +140,78 @@ def testValidatorAllowsEarlyBackwardWithTheLossInside():
   schedule.Validate(_Table(ticks, loss_outside=False))
 
 
+# Placement: V-shaped, K = 2, v = 2, M = 1 (chunks 0 and 3 on device 0).
+_V_SHAPE = (0, 1, 1, 0)
+_V_TICKS = [[A(F, 0, 0), None], [None, A(F, 1, 0)], [None, A(F, 2, 0)],
+            [A(F, 3, 0), None], [A(B, 3, 0), None], [None, A(B, 2, 0)],
+            [None, A(B, 1, 0)], [A(B, 0, 0), None]]
+
+
+def _VTable(placement=_V_SHAPE, ticks=None, num_devices=2):
+  return _Table(_V_TICKS if ticks is None else ticks,
+                num_devices=num_devices, num_micro=1, virtual_stages=2,
+                placement=placement)
+
+
+def testDefaultPlacementIsChunkModK():
+  table = schedule.BuildTable('gpipe', 3, 2, 2)
+  assert table.placement == (0, 1, 2, 0, 1, 2)
+  assert table.device_chunks == ((0, 3), (1, 4), (2, 5))
+  assert [table.Device(c) for c in range(6)] == [0, 1, 2, 0, 1, 2]
+  assert _Table(_GOOD) == _Table(_GOOD, placement=(0, 1))
+  assert 'placement' not in str(table)
+
+
+def testValidatorAcceptsAVShapedPlacement():
+  table = schedule.Validate(_VTable())
+  assert table.placement == _V_SHAPE
+  assert table.device_chunks == ((0, 3), (1, 2))
+  assert [table.Device(c) for c in range(4)] == [0, 1, 1, 0]
+  assert str(table).splitlines() == [
+      'hand: K=2 v=2 M=1 placement=(0, 1, 1, 0), 8 ticks',
+      'device 0: F0.0    -    - F3.0 B3.0    -    - B0.0',
+      'device 1:    - F1.0 F2.0    -    - B2.0 B1.0    -']
+
+
+@pytest.mark.parametrize('placement,message', [
+    ((0, 1, 1), r'placement=\(0, 1, 1\) must be a tuple of 4 devices, one '
+     r'per chunk'),
+    ([0, 1, 1, 0], r'placement=\[0, 1, 1, 0\] must be a tuple of 4'),
+    ((0, 1, 2, 0), r'placement=\(0, 1, 2, 0\): chunk 2 is on device 2; a '
+     r'device is an int in \[0, 2\)'),
+    ((0, 1, -1, 0), 'chunk 2 is on device -1; a device is an int'),
+    ((0, 1, True, 0), 'chunk 2 is on device True; a device is an int'),
+    ((0, 1, 1.0, 0), 'chunk 2 is on device 1.0; a device is an int'),
+])
+def testValidatorRejectsBadPlacements(placement, message):
+  with pytest.raises(schedule.TableError, match=message):
+    schedule.Validate(_VTable(placement))
+
+
+def testValidatorRejectsADeviceWithoutChunks():
+  ticks = [[A(F, c, 0), None, None] for c in range(6)] + [
+      [A(B, c, 0), None, None] for c in reversed(range(6))]
+  with pytest.raises(schedule.TableError, match=r'placement=\(0, 0, 0, 0, 0, '
+                     r'0\) gives device 1 no chunk; every device'):
+    schedule.Validate(_Table(ticks, num_devices=3, num_micro=1,
+                             virtual_stages=2, placement=(0,) * 6))
+
+
+def testValidatorRejectsAnActionOffItsPlacedDevice():
+  # Chunk 2 on device 0, where the default placement would put it.
+  ticks = [list(tick) for tick in _V_TICKS]
+  ticks[2] = [A(F, 2, 0), None]
+  with pytest.raises(schedule.TableError, match=r"tick 2, device 0: "
+                     r"Action\(phase='forward', chunk=2, micro_batch=0\): "
+                     r'chunk 2 does not run on device 0: placement=\(0, 1, '
+                     r'1, 0\) puts it on device 1'):
+    schedule.Validate(_VTable(ticks=ticks))
+  with pytest.raises(schedule.TableError, match='chunk 2 does not run on '
+                     r'device 1: placement=\(0, 1, 0, 1\) puts it on device '
+                     '0'):
+    schedule.Validate(_VTable(placement=()))
+
+
 def testTableFromOrdersPlacesEachActionAtItsEarliestTick():
   orders = [[A(F, 0, 0), A(F, 0, 1), A(B, 0, 0), A(B, 0, 1)],
             [A(F, 1, 0), A(B, 1, 0), A(F, 1, 1), A(B, 1, 1)]]
@@ -154,6 +226,20 @@ def testTableFromOrdersPlacesEachActionAtItsEarliestTick():
         'bad', num_devices=2, num_micro_batches=2, virtual_stages=1,
         loss_outside=False,
         orders=[[A(B, 0, 0), A(F, 0, 0)] + orders[0][1::2], orders[1]])
+
+
+def testTableFromOrdersWithAPlacement():
+  orders = [[a for tick in _V_TICKS for a in tick[k:k + 1] if a]
+            for k in range(2)]
+  table = schedule.TableFromOrders('hand', num_devices=2, num_micro_batches=1,
+                                   virtual_stages=2, loss_outside=True,
+                                   orders=orders, placement=[0, 1, 1, 0])
+  assert table == _VTable()
+  with pytest.raises(schedule.TableError, match='chunk 2 does not run on '
+                     'device 1'):
+    schedule.TableFromOrders('hand', num_devices=2, num_micro_batches=1,
+                             virtual_stages=2, loss_outside=True,
+                             orders=orders)
 
 
 def testPhaseRunsRejectsMixedTicks():

@@ -2,11 +2,14 @@
 
 Pure Python, no TensorFlow. A schedule is a `Table`: per clock tick, per
 device, at most one `Action` (a phase of one chunk on one micro-batch). The
-cells are cut into C = K * v chunks; chunk c runs on device c mod K, so with
-v > 1 virtual stages a micro-batch passes the devices v times (the circular
-order of Praxis). Every reader of a step takes its order from a table: both
-engines build their calls from it, the simulator times it, the memory model
-walks it, the timeline draws it. `Validate` checks every table before use.
+cells are cut into C = K * v chunks, and the table places each chunk on a
+device (`Table.placement`). By default chunk c runs on device c mod K, so
+with v > 1 virtual stages a micro-batch passes the devices v times (the
+circular order of Praxis); any other placement is expressible, e.g. a
+V-shaped one, chunks c and 2K - 1 - c on one device. Every reader of a step
+takes its order from a table: both engines build their calls from it, the
+simulator times it, the memory model walks it, the timeline draws it.
+`Validate` checks every table before use.
 
     >>> table = BuildTable('gpipe', num_devices=2, num_micro_batches=2)
     >>> print(table)
@@ -77,11 +80,15 @@ class Table:
     schedule: The name of the schedule that made it (a key of `SCHEDULES`).
     num_devices: K.
     num_micro_batches: M.
-    virtual_stages: v; the step has K * v chunks, chunk c on device c mod K.
+    virtual_stages: v; the step has K * v chunks (v per device on average).
     loss_outside: Whether the loss is computed after the pipeline from all
       micro-batches' outputs (GPipe), so that no backward action may run
       before every forward of the last chunk.
     ticks: ticks[t][k] is device k's action at tick t, or None (idle).
+    placement: placement[c] is the device that runs chunk c: K * v ints in
+      [0, K), every device running at least one chunk. Given as () (the
+      default), it becomes the default placement, chunk c on device c mod K
+      (`DefaultPlacement`).
   """
   schedule: str
   num_devices: int
@@ -89,6 +96,14 @@ class Table:
   virtual_stages: int
   loss_outside: bool
   ticks: Tuple[Tick, ...]
+  placement: Tuple[int, ...] = ()
+
+  def __post_init__(self):
+    # Sizes that are not ints keep () for `Validate` to reject them.
+    if not self.placement and isinstance(self.num_chunks, int):
+      object.__setattr__(
+          self, 'placement',
+          DefaultPlacement(self.num_devices, self.virtual_stages))
 
   @property
   def num_chunks(self) -> int:
@@ -96,8 +111,15 @@ class Table:
     return self.num_devices * self.virtual_stages
 
   def Device(self, chunk: int) -> int:
-    """The device that runs `chunk`: chunk mod K."""
-    return chunk % self.num_devices
+    """The device that runs `chunk`: placement[chunk]."""
+    return self.placement[chunk]
+
+  @functools.cached_property
+  def device_chunks(self) -> Tuple[Tuple[int, ...], ...]:
+    """Per device, the chunks it runs, in increasing order."""
+    return tuple(
+        tuple(c for c, d in enumerate(self.placement) if d == k)
+        for k in range(self.num_devices))
 
   @functools.cached_property
   def tick_of(self) -> Dict[Action, int]:
@@ -140,12 +162,23 @@ class Table:
 
   def __str__(self) -> str:
     width = max(len(str(a)) for tick in self.ticks for a in tick if a)
-    lines = [f'{self.schedule}: K={self.num_devices} v={self.virtual_stages} '
-             f'M={self.num_micro_batches}, {len(self.ticks)} ticks']
+    header = (f'{self.schedule}: K={self.num_devices} '
+              f'v={self.virtual_stages} M={self.num_micro_batches}')
+    if self.placement != DefaultPlacement(self.num_devices,
+                                          self.virtual_stages):
+      header += f' placement={self.placement}'
+    lines = [f'{header}, {len(self.ticks)} ticks']
     for k in range(self.num_devices):
       cells = [str(tick[k]) if tick[k] else '-' for tick in self.ticks]
       lines.append(f'device {k}: ' + ' '.join(c.rjust(width) for c in cells))
     return '\n'.join(lines)
+
+
+def DefaultPlacement(num_devices: int,
+                     virtual_stages: int) -> Tuple[int, ...]:
+  """Chunk c on device c mod K: (0, 1, ..., K - 1) repeated v times."""
+  return tuple(c % num_devices
+               for c in range(num_devices * virtual_stages))
 
 
 class _Index:
@@ -181,16 +214,37 @@ class _Index:
     return range(first, first + self.num_micro)
 
 
+def _CheckPlacement(placement: Tuple[int, ...], num_devices: int,
+                    num_chunks: int) -> None:
+  """Raises TableError unless `placement` is a valid one (see `Validate`)."""
+  if not isinstance(placement, tuple) or len(placement) != num_chunks:
+    raise TableError(f'placement={placement!r} must be a tuple of '
+                     f'{num_chunks} devices, one per chunk (K * v).')
+  for c, device in enumerate(placement):
+    if (not isinstance(device, int) or isinstance(device, bool) or
+        not 0 <= device < num_devices):
+      raise TableError(f'placement={placement}: chunk {c} is on '
+                       f'device {device!r}; a device is an int in '
+                       f'[0, {num_devices}).')
+  idle = sorted(set(range(num_devices)) - set(placement))
+  if idle:
+    raise TableError(f'placement={placement} gives device {idle[0]} no chunk; '
+                     'every device (pipeline stage) runs at least one.')
+
+
 def Validate(table: Table) -> Table:
   """Checks that a table is a correct training step; returns it.
 
-  The rules: every tick has one entry per device; an entry is None or an
-  Action of a known phase on a chunk of that device (chunk mod K) and a
-  micro-batch in [0, M); each (chunk, micro-batch) runs forward once and
-  backward once; a chunk's forward of m comes on a later tick than the
-  previous chunk's forward of m; its backward on a later tick than the next
-  chunk's backward of m and than its own forward; with the loss outside the
-  pipeline, no backward before every forward of the last chunk has run.
+  The rules: the placement has one device in [0, K) per chunk, and every
+  device runs at least one chunk (a device without one would be a pipeline
+  stage with nothing to do); every tick has one entry per device; an entry
+  is None or an Action of a known phase on a chunk that the placement puts
+  on that device and a micro-batch in [0, M); each (chunk, micro-batch) runs
+  forward once and backward once; a chunk's forward of m comes on a later
+  tick than the previous chunk's forward of m; its backward on a later tick
+  than the next chunk's backward of m and than its own forward; with the
+  loss outside the pipeline, no backward before every forward of the last
+  chunk has run.
 
   Args:
     table: The table.
@@ -199,13 +253,15 @@ def Validate(table: Table) -> Table:
     The same table.
 
   Raises:
-    TableError: naming the tick, the device and the action that break a rule.
+    TableError: naming the placement and its bad entry, or the tick, the
+      device and the action that break a rule.
   """
   k_devices, num_micro = table.num_devices, table.num_micro_batches
   checks.CheckPositiveInt('num_devices', k_devices)
   checks.CheckPositiveInt('virtual_stages', table.virtual_stages)
   checks.CheckPositiveInt('num_micro_batches', num_micro)
   num_chunks = table.num_chunks
+  _CheckPlacement(table.placement, k_devices, num_chunks)
   index = _Index(num_chunks, num_micro)
   tick_of, device_of = [-1] * index.size, [-1] * index.size
   for t, tick in enumerate(table.ticks):
@@ -218,11 +274,14 @@ def Validate(table: Table) -> Table:
       if not isinstance(action, Action) or action.phase not in ACTION_PHASES:
         raise TableError(f'tick {t}, device {k}: {action!r} is not an Action '
                          f'with a phase in {list(ACTION_PHASES)}.')
-      if not 0 <= action.chunk < num_chunks or action.chunk % k_devices != k:
+      if not 0 <= action.chunk < num_chunks:
         raise TableError(f'tick {t}, device {k}: {action!r}: chunk '
-                         f'{action.chunk} does not run on device {k} (chunk c '
-                         f'runs on device c mod {k_devices}, c < '
-                         f'{num_chunks}).')
+                         f'{action.chunk} is outside [0, {num_chunks}).')
+      if table.Device(action.chunk) != k:
+        raise TableError(f'tick {t}, device {k}: {action!r}: chunk '
+                         f'{action.chunk} does not run on device {k}: '
+                         f'placement={table.placement} puts it on device '
+                         f'{table.Device(action.chunk)}.')
       if not 0 <= action.micro_batch < num_micro:
         raise TableError(f'tick {t}, device {k}: {action!r}: micro-batch '
                          f'{action.micro_batch} is outside [0, {num_micro}).')
@@ -253,13 +312,27 @@ def Validate(table: Table) -> Table:
 
 def TableFromOrders(schedule: str, num_devices: int, num_micro_batches: int,
                     virtual_stages: int, loss_outside: bool,
-                    orders: Sequence[Sequence[Action]]) -> Table:
+                    orders: Sequence[Sequence[Action]],
+                    placement: Optional[Sequence[int]] = None) -> Table:
   """Places each device's actions, in its order, on the earliest tick.
 
   An action's tick is one more than the latest of: the device's previous
   action, the actions it needs (see `Validate`) and, with the loss outside,
   the last forward of the last chunk. With unit-time actions this is when
-  they would run.
+  they would run. A V-shaped step of K = 2, v = 2 (chunks 0 and 3 on device
+  0), one micro-batch:
+
+      >>> F, B = FORWARD, BACKWARD
+      >>> print(TableFromOrders(
+      ...     'v-shape', num_devices=2, num_micro_batches=1, virtual_stages=2,
+      ...     loss_outside=True, placement=(0, 1, 1, 0),
+      ...     orders=[[Action(F, 0, 0), Action(F, 3, 0), Action(B, 3, 0),
+      ...              Action(B, 0, 0)],
+      ...             [Action(F, 1, 0), Action(F, 2, 0), Action(B, 2, 0),
+      ...              Action(B, 1, 0)]]))
+      v-shape: K=2 v=2 M=1 placement=(0, 1, 1, 0), 8 ticks
+      device 0: F0.0    -    - F3.0 B3.0    -    - B0.0
+      device 1:    - F1.0 F2.0    -    - B2.0 B1.0    -
 
   Args:
     schedule: The schedule's name.
@@ -269,6 +342,8 @@ def TableFromOrders(schedule: str, num_devices: int, num_micro_batches: int,
     loss_outside: See `Table`.
     orders: Per device, its actions in the order it runs them; together
       every action of the step once.
+    placement: Per chunk, its device (see `Table`); None: chunk c on device
+      c mod K.
 
   Returns:
     The validated table.
@@ -330,7 +405,8 @@ def TableFromOrders(schedule: str, num_devices: int, num_micro_batches: int,
       Table(schedule=schedule, num_devices=num_devices,
             num_micro_batches=num_micro_batches,
             virtual_stages=virtual_stages, loss_outside=loss_outside,
-            ticks=tuple(tuple(tick) for tick in ticks)))
+            ticks=tuple(tuple(tick) for tick in ticks),
+            placement=() if placement is None else tuple(placement)))
 
 
 def _GPipeOrders(num_devices: int, num_micro_batches: int,
