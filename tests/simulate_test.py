@@ -208,6 +208,63 @@ def testSimulateCircularMemoryCountsEveryChunkOfADevice():
   assert never.peak_activations == [8, 8]
 
 
+def _VShapedTable(num_micro):
+  """K = 2, v = 2, chunks 0 and 3 on device 0, 1 and 2 on device 1; GPipe."""
+  orders = []
+  for chunks in ((0, 3), (1, 2)):
+    forward = [schedule.Action(schedule.FORWARD, c, m) for c in chunks
+               for m in range(num_micro)]
+    orders.append(forward + [schedule.Action(schedule.BACKWARD, c, m)
+                             for _, c, m in reversed(forward)])
+  return schedule.TableFromOrders(
+      'v-shape', num_devices=2, num_micro_batches=num_micro, virtual_stages=2,
+      loss_outside=True, orders=orders, placement=(0, 1, 1, 0))
+
+
+def testSimulateVShapedPlacementTransfersOnlyBetweenDevices():
+  # Forward 1, backward 2, transfer 0.5, no recompute, M = 2. Micro-batch
+  # 0: F0 [0, 1], a transfer, F1 [1.5, 2.5]; F2 on the same device needs no
+  # transfer but waits for F1.1 [2.5, 3.5]; a transfer to F3 on device 0.
+  table = _VShapedTable(2)
+  sim = simulate.Simulate(table, [1.0] * 4, [2.0] * 4, 'never',
+                          transfer_cost=0.5)
+  assert all(e.stage == table.Device(e.chunk) for e in sim.events)
+  calls = {(e.chunk, e.micro_batch, e.phase): (e.start, e.end)
+           for e in sim.events}
+  assert [calls[c, 0, 'forward'] for c in range(4)] == [
+      (0, 1), (1.5, 2.5), (3.5, 4.5), (5, 6)]
+  assert calls[2, 1, 'forward'] == (4.5, 5.5)
+  # Backward: B3 after the loss on device 0, B2 and B1 on device 1 with one
+  # transfer between them, B0 back on device 0.
+  assert [calls[c, 1, 'backward'] for c in (3, 2, 1, 0)] == [
+      (7, 9), (9.5, 11.5), (13.5, 15.5), (16, 18)]
+  assert sim.step_time == 20
+  # The transfers cost the step 2 crossings each way; with the default
+  # placement, which crosses devices at every chunk boundary, 3.
+  for step, crossings in ((table, 4),
+                          (schedule.BuildTable('gpipe', 2, 2, 2), 6)):
+    times = [simulate.Simulate(step, [1.0] * 4, [2.0] * 4, 'never',
+                               transfer_cost=t).step_time for t in (0.0, 0.5)]
+    assert times[1] - times[0] == crossings * 0.5
+  # In lockstep: 6 forward ticks of 1 and 6 backward ticks of 2, plus the
+  # transfer in the 8 whose action reads from the other device (all but
+  # F0.0, F2.0 and B1.1, whose chunks 1 and 2 share device 1, and B3.1).
+  lockstep = simulate.Simulate(table, [1.0] * 4, [2.0] * 4, 'never',
+                               transfer_cost=0.5, lockstep=True)
+  assert len(table.ticks) == 12
+  assert lockstep.step_time == 6 * 1 + 6 * 2 + 8 * 0.5
+
+
+def testSimulateVShapedMemoryCountsTheChunksOfEachDevice():
+  """Device 0 holds the inputs of chunks 0 and 3; device 1 of 1 and 2."""
+  table = _VShapedTable(2)
+  sim = simulate.Simulate(table, [1.0] * 4, [2.0] * 4, 'always',
+                          input_memory=[1, 10, 100, 1000],
+                          activation_memory=[5, 5, 5, 5])
+  assert sim.peak_inputs == [4, 4]
+  assert sim.peak_memory == [2 * 1 + 2 * 1000 + 5, 2 * 10 + 2 * 100 + 5]
+
+
 def testSimulateOneMicroBatchHoldsOneCall():
   for remat in schedule.REMAT_MODES:
     sim = _Simulate([1], [1], 1, remat, input_memory=[1])

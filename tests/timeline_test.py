@@ -44,3 +44,51 @@ def testDrawTimelineWritesAnImage(tmp_path):
   timeline.DrawTimeline(EVENTS, 2, path, 'K=2 v=2')
   height, width, _ = image.imread(path).shape
   assert width > height > 0
+
+
+def _Trace(events, path):
+  timeline.WriteChromeTrace(events, 2, path, 'step')
+  with open(path) as f:
+    return [(e['name'], e['tid']) for e in json.load(f)['traceEvents']
+            if e['ph'] == 'X']
+
+
+def testChromeTraceOfAPlacedTable(tmp_path):
+  """Each call on the row of its chunk's device, labelled with its chunk."""
+  path = os.path.join(tmp_path, 'trace.json')
+  v_shape = schedule.TableFromOrders(
+      'v-shape', num_devices=2, num_micro_batches=1, virtual_stages=2,
+      loss_outside=True, placement=(0, 1, 1, 0),
+      orders=[[schedule.Action(schedule.FORWARD, 0, 0),
+               schedule.Action(schedule.FORWARD, 3, 0),
+               schedule.Action(schedule.BACKWARD, 3, 0),
+               schedule.Action(schedule.BACKWARD, 0, 0)],
+              [schedule.Action(schedule.FORWARD, 1, 0),
+               schedule.Action(schedule.FORWARD, 2, 0),
+               schedule.Action(schedule.BACKWARD, 2, 0),
+               schedule.Action(schedule.BACKWARD, 1, 0)]])
+  v_sim = simulate.Simulate(v_shape, [1.0] * 4, [2.0] * 4, 'never')
+  assert _Trace(v_sim.events, path) == [
+      ('forward 0.0', 0), ('forward 3.0', 0), ('backward 3.0', 0),
+      ('backward 0.0', 0), ('forward 1.0', 1), ('forward 2.0', 1),
+      ('backward 2.0', 1), ('backward 1.0', 1)]
+  # v = 1, chunks swapped: the labels name the chunk, as they do not for the
+  # default placement.
+  swapped = schedule.TableFromOrders(
+      'swapped', num_devices=2, num_micro_batches=1, virtual_stages=1,
+      loss_outside=True, placement=(1, 0),
+      orders=[[schedule.Action(schedule.FORWARD, 1, 0),
+               schedule.Action(schedule.BACKWARD, 1, 0)],
+              [schedule.Action(schedule.FORWARD, 0, 0),
+               schedule.Action(schedule.BACKWARD, 0, 0)]])
+  sim = simulate.Simulate(swapped, [1.0] * 2, [2.0] * 2, 'never')
+  assert _Trace(sim.events, path) == [
+      ('forward 1.0', 0), ('backward 1.0', 0), ('forward 0.0', 1),
+      ('backward 0.0', 1)]
+  sim = simulate.Simulate(schedule.BuildTable('gpipe', 2, 1), [1.0] * 2,
+                          [2.0] * 2, 'never')
+  assert _Trace(sim.events, path) == [
+      ('forward 0', 0), ('backward 0', 0), ('forward 0', 1),
+      ('backward 0', 1)]
+  timeline.DrawTimeline(v_sim.events, 2, os.path.join(tmp_path, 'v.png'),
+                        'V-shaped')

@@ -78,9 +78,9 @@ class _Step:
   def replica_batch(self) -> int:
     return self.micro * self.shape.num_micro_batches
 
-  def DeviceChunks(self, k: int) -> range:
-    """The chunks of device k: chunk c runs on device c mod K."""
-    return range(k, self.table.num_chunks, self.shape.num_stages)
+  def DeviceChunks(self, k: int) -> Tuple[int, ...]:
+    """The chunks of device k, as the table places them."""
+    return self.table.device_chunks[k]
 
   def DeviceSum(self, k: int, value: Callable[[CellProfile], float]) -> float:
     """`value` summed over device k's cells, chunk by chunk."""

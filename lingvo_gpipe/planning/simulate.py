@@ -22,7 +22,7 @@ from lingvo_gpipe.planning import schedule
 class Event(NamedTuple):
   """One phase of one call: what a device did from `start` to `end`."""
   stage: int  # The device (pipeline stage) that ran it.
-  chunk: int  # The chunk of cells (= stage when v = 1).
+  chunk: int  # The chunk of cells (= stage when v = 1, placed by default).
   micro_batch: int
   phase: str  # One of schedule.PHASES.
   start: float

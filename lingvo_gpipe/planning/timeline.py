@@ -47,7 +47,10 @@ def Label(event: simulate.Event, chunked: bool) -> str:
 
 
 def _Chunked(events: Sequence[simulate.Event]) -> bool:
-  """Whether some device runs a chunk other than its own index (v > 1)."""
+  """Whether some device runs a chunk other than its own index.
+
+  It does when v > 1, or when the table places chunk c off device c.
+  """
   return any(e.chunk != e.stage for e in events)
 
 
@@ -58,7 +61,8 @@ def DrawTimeline(events: Sequence[simulate.Event], num_stages: int, path: str,
 
   Boxes are coloured by phase (`PHASE_COLORS`) and, when there are few enough
   to read, labelled with their micro-batch ('<chunk>.<micro-batch>' with
-  several chunks per device, so that a circular step's v passes show), so the
+  several chunks per device or chunks placed on other devices than their
+  index, so that a circular or V-shaped step's passes show), so the
   pipeline's fill, steady state and drain show at a glance.
 
   Args:
@@ -116,7 +120,7 @@ def WriteChromeTrace(events: Sequence[simulate.Event], num_stages: int,
   """Writes a step as a Chrome trace: one thread (row) per stage.
 
   Each call phase is a complete ('X') event named '<phase> <micro-batch>'
-  ('<phase> <chunk>.<micro-batch>' with several chunks per device), with the
+  ('<phase> <chunk>.<micro-batch>' as `DrawTimeline` labels), with the
   phase as its category; times are microseconds.
 
   Args:
