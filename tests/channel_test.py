@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.engine import channel
-from lingvo_gpipe.engine import loop
+from lingvo_gpipe.engine import control_flow
 from lingvo_gpipe.engine import pipeline
 import engine_util
 
@@ -170,13 +170,33 @@ def testFunctionsAndXlaRunTicksInLockstep():
                                   [e.numpy() for e in expected])
 
 
-def testObservableLoopsRunInLockstep():
-  """Lowered loops (for step stats) cannot key channels: lockstep."""
+def testObservableLoopsRunTheSameExecutorOverQueues():
+  """Lowered loops (for step stats): per-device loops, links are queues.
+
+  Send/Recv keys carry a lowered loop's frame; FIFO queues, on the
+  receiving device, do not. The step stays transparent, and step stats show
+  the kernels of every device's loop.
+  """
   graph = tf.Graph()
-  with graph.as_default(), loop.ObservableLoops():
-    _GradientsOfPipe(2, 4)
+  with graph.as_default(), control_flow.ObservableLoops():
+    piped, plain = _GradientsOfPipe(2, 4)
     whiles, sends, _ = _LoopsAndChannelOps(graph)
+    queues = [op.device for op in graph.get_operations()
+              if op.type == 'FIFOQueueV2']
+    with tf.compat.v1.Session(config=engine_util.SessionConfig()) as sess:
+      trace = tf.compat.v1.RunOptions(
+          trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+      metadata = tf.compat.v1.RunMetadata()
+      actual, expected = sess.run([piped, plain], options=trace,
+                                  run_metadata=metadata)
   assert sends == 0
-  assert len(whiles) == 6, whiles  # Fill, full, drain; forward, backward.
+  assert sorted(whiles) == sorted(engine_util.CPUS[:2] * 2)
+  # Edge 1 forward (to device 1) and back (to device 0).
+  assert sorted(queues) == engine_util.CPUS[:2]
+  engine_util.AssertTransparent(actual, expected)
+  matmuls = {dev.device for dev in metadata.step_stats.dev_stats
+             for node in dev.node_stats
+             if '/chunk' in node.node_name and 'MatMul' in node.node_name}
+  assert sorted(matmuls) == engine_util.CPUS[:2]
 
 

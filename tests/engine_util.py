@@ -9,7 +9,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.engine import loop
+from lingvo_gpipe.engine import control_flow
 from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.planning import schedule
 
@@ -105,7 +105,7 @@ def AssertTransparent(actual_values, expected_values, tol=1e-5):
 
 def ObservableLoops(engine):
   """With engine='loop', builds loops whose kernels show in step stats."""
-  return loop.ObservableLoops(lowered=engine == 'loop')
+  return control_flow.ObservableLoops(lowered=engine == 'loop')
 
 
 def LoopCallDevices(graph):

@@ -52,29 +52,6 @@ def testLoopStageRecomputesEachCallRightBeforeItsGradient():
         ['relu', 'gradient'] * NUM_MICRO_BATCHES), device
 
 
-def testChannelOrderOfTheBuiltInTables():
-  """Every edge's reader takes micro-batches in its writer's order."""
-  for name in schedule.SCHEDULES:
-    for k, v in ((2, 1), (4, 1), (2, 2)):
-      table = schedule.BuildTable(name, k, 8, v)
-      assert loop.ChannelOrderHolds(table, loop.Edges(k * v, [])), (name, k,
-                                                                    v)
-
-
-def testChannelOrderRejectsReorderedMicroBatches():
-  """Chunk 1 takes micro-batch 1 before 0: its channel would swap them."""
-  orders = [
-      [schedule.Action(F, 0, 0), schedule.Action(F, 0, 1),
-       schedule.Action(B, 0, 0), schedule.Action(B, 0, 1)],
-      [schedule.Action(F, 1, 1), schedule.Action(F, 1, 0),
-       schedule.Action(B, 1, 0), schedule.Action(B, 1, 1)],
-  ]
-  table = schedule.TableFromOrders('custom', num_devices=2, num_micro_batches=2,
-                                   virtual_stages=1, loss_outside=True,
-                                   orders=orders)
-  assert not loop.ChannelOrderHolds(table, loop.Edges(2, []))
-
-
 def _HloLines(engine, num_micro_batches, k=4, virtual_stages=1):
   """Lines of the XLA HLO of a training step's gradients (4 layers)."""
   ws = [tf.constant(w) for w in engine_util.DENSE_WEIGHTS]

@@ -413,9 +413,11 @@ def testSkipsWithTheLossInside(v):
 def testSkippedTensorsGoStraightToTheirTarget(engine):
   """K = 4, skip 0 -> 3: no op of devices 1 and 2 touches a skip tensor.
 
-  Skip tensors are the only ones of width SKIP_WIDTH; in the graph (the
-  loop engine's loops lowered, so that their ops are graph ops), no op
-  placed on CPU:1 or CPU:2 reads or writes one, forward or backward.
+  Skip tensors are the only ones of width SKIP_WIDTH. Unrolled: no graph op
+  placed on CPU:1 or CPU:2 reads or writes one, forward or backward. Loop
+  (one loop per device, lowered: its links are FIFO queues on the receiving
+  device): the skip's tensors travel in one queue on CPU:3 and their
+  gradients in one on CPU:0, and no other queue carries that width.
 
   Args:
     engine: The pipeline engine.
@@ -429,6 +431,14 @@ def testSkippedTensorsGoStraightToTheirTarget(engine):
     (y,), _ = pipe([[w] for w in ws], [tf.constant(X)])
     tf.gradients(tf.reduce_sum(y * y), ws)
   touched = collections.defaultdict(int)
+  if engine == 'loop':
+    for op in graph.get_operations():
+      if op.type == 'FIFOQueueV2' and any(
+          s.dim and s.dim[-1].size == SKIP_WIDTH
+          for s in op.get_attr('shapes')):
+        touched[op.device.split(':')[-1]] += 1
+    assert dict(touched) == {'0': 1, '3': 1}
+    return
   for op in graph.get_operations():
     for t in list(op.inputs) + list(op.outputs):
       if t.shape.rank and t.shape[-1] == SKIP_WIDTH:

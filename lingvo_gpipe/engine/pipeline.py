@@ -3,7 +3,7 @@
 Knows TensorFlow, not Lingvo. A stage (chunk) function maps
 `(theta, inputs, state, micro_batch_id)` to `(outputs, state)` (see
 `stage.py`). The engine splits the inputs into micro-batches, runs chunk c on
-micro-batch m under `tf.device(devices[c mod K])` in the order of a schedule
+micro-batch m under `tf.device(devices[k])`, k = table.Device(c), in the order of a schedule
 table (`planning.schedule`: GPipe or 1F1B, circular or interleaved when there
 are v > 1 chunks per device), re-materializes calls in the backward pass as
 the remat mode says, and concatenates the last chunk's outputs back in order.
@@ -38,7 +38,7 @@ devices (v = 2), four micro-batches:
     (TensorShape([16, 8]), 4)
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -76,15 +76,16 @@ class Pipeline:
                batch_dim: int = 0,
                remat: str = 'always',
                engine: str = 'unrolled',
-               schedule: str = 'gpipe',
+               schedule: Union[str, schedule_lib.Table] = 'gpipe',
                virtual_stages: int = 1,
                skips: Sequence[Tuple[int, Optional[int]]] = (),
+               executor: str = 'auto',
                name: str = 'gpipe'):
     """Checks the configuration and builds the schedule table; no graph yet.
 
     Args:
       stage_fns: C = K v chunk functions, see `stage.py`; chunk c runs on
-        devices[c mod K].
+        devices[table.Device(c)] (c mod K unless the table says otherwise).
       devices: K device strings.
       num_micro_batches: M >= 1.
       batch_dim: The batch dimension of every input and output.
@@ -92,7 +93,9 @@ class Pipeline:
         'always', 'except_last' or 'never' (`planning.schedule.RecomputedCalls`).
       engine: 'unrolled' or 'loop' (which alone runs schedules with the loss
         inside).
-      schedule: A key of `planning.schedule.SCHEDULES`.
+      schedule: A key of `planning.schedule.SCHEDULES`, or a table
+        (`planning.schedule.Table`: any valid table of K = len(devices), M
+        and v, placing its chunks on devices as it says).
       virtual_stages: v, the chunks per device.
       skips: Skip connections, (source chunk, target chunk) pairs with source
         < target, or (source chunk, None) into the pipeline's outputs. A
@@ -100,6 +103,8 @@ class Pipeline:
         it is the source of (in the order of `skips`); a target chunk
         receives, after its main inputs, one such tuple per skip into it.
         The tensors go from the source's device to the target's directly.
+      executor: How the loop engine runs its loops (`loop.EXECUTORS`;
+        'auto': `loop.ChooseExecutor`); only 'auto' with engine='unrolled'.
       name: Name scope of the pipeline's ops.
 
     Raises:
@@ -125,12 +130,28 @@ class Pipeline:
     if engine == 'auto':
       raise ValueError("engine='auto' is the layer's choice; give the engine "
                        f'{list(schedule_lib.ENGINES)} (schedule.ChooseEngine).')
-    schedule_lib.CheckEngine(engine, remat, schedule)
-    self.loss_inside = schedule_lib.CheckSchedule(schedule).loss_inside
-    self.table = schedule_lib.BuildTable(schedule, len(devices),
-                                         num_micro_batches, virtual_stages)
+    if isinstance(schedule, schedule_lib.Table):
+      self.table = _CheckTable(schedule, len(devices), num_micro_batches,
+                               virtual_stages)
+      schedule_lib.CheckEngine(engine, remat)
+      if engine == 'unrolled' and not self.table.loss_outside:
+        raise ValueError(
+            f'schedule={self.table.schedule!r} (a table with the loss '
+            "inside) needs engine='loop'.")
+    else:
+      schedule_lib.CheckEngine(engine, remat, schedule)
+      self.table = schedule_lib.BuildTable(schedule, len(devices),
+                                           num_micro_batches, virtual_stages)
+    self.loss_inside = not self.table.loss_outside
     if engine == 'unrolled':
       unrolled.CheckTable(self.table)
+    if executor not in loop.EXECUTORS or (engine != 'loop' and
+                                          executor != 'auto'):
+      raise ValueError(
+          f'executor={executor!r} is not supported with engine={engine!r}; '
+          f"use one of {list(loop.EXECUTORS)} with engine='loop', 'auto' "
+          'otherwise.')
+    self.executor = executor
     self.skips = _CheckSkips(skips, len(stage_fns))
     self._stage_fns = list(stage_fns)
     self.num_stages = len(devices)
@@ -194,9 +215,7 @@ class Pipeline:
     batch = microbatch.StaticBatchSize(inputs, self.batch_dim)
     if batch is not None:
       microbatch.MicroBatchSize(batch, num_micro)
-    # Eval has no backward: the forward of a GPipe table of the same shape.
-    table = self.table if training else schedule_lib.BuildTable(
-        'gpipe', self.num_stages, num_micro, self.table.virtual_stages)
+    table = self.table  # Eval runs its forward actions alone.
 
     with tf.name_scope(self._name):
       with tf.device(self.devices[0]):
@@ -208,11 +227,26 @@ class Pipeline:
                           pin_forward=self.engine == 'unrolled')
           for c, fn in enumerate(self._stage_fns)
       ]
+      options = {'executor': self.executor} if self.engine == 'loop' else {}
       return _ENGINES[self.engine](
           chunks, thetas, inputs, states, table=table,
           batch_dim=self.batch_dim, remat=self.remat, first_id=first_id,
           training=training, input_gradients=input_gradients,
-          loss_inside=self.loss_inside, skips=self.skips)
+          loss_inside=self.loss_inside, skips=self.skips, **options)
+
+
+def _CheckTable(table: schedule_lib.Table, num_devices: int,
+                num_micro_batches: int,
+                virtual_stages: int) -> schedule_lib.Table:
+  """Validates a given table and checks it has the pipeline's K, M and v."""
+  schedule_lib.Validate(table)
+  given = (table.num_devices, table.num_micro_batches, table.virtual_stages)
+  if given != (num_devices, num_micro_batches, virtual_stages):
+    raise ValueError(
+        f'schedule: the table {table.schedule!r} has (K, M, v) = {given}; '
+        f'the pipeline has ({num_devices}, {num_micro_batches}, '
+        f'{virtual_stages}).')
+  return table
 
 
 def _CheckSkips(skips: Sequence[Tuple[int, Optional[int]]],

@@ -55,7 +55,7 @@ A traced step of two chunks on two devices, two micro-batches:
 
 import collections
 import re
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from lingvo_gpipe.engine import stage
 from lingvo_gpipe.planning import schedule
@@ -81,18 +81,31 @@ _UNROLLED_FORWARD_RE = re.compile(r'(?:.*/)?chunk(\d+)_mb(\d+)(?:_\d+)?/' +
 _UNROLLED_BACKWARD_RE = re.compile(
     r'gradients(?:_\d+)?/(?:.*/)?chunk(\d+)_mb(\d+)(?:_\d+)?/[^/]+_grad/' +
     _CALL)
-# Loop: a chunk's call in a tick of the forward or backward loops, or a
-# kernel of a forward body built inline there.
+# Loop: a kernel of a device's instruction of chunk c in a loop of a pass,
+# '<pass>_<i>' (lockstep) or '<pass>_device<k>' (per device); group 1 is the
+# instruction's path (one per kind of instruction: the loop, the branch
+# picked), group 3 the chunk, group 4 the node inside the instruction.
+_LOOP_RE = re.compile(
+    r'^((?:.*?/)?(forward|backward|step)_(?:device)?\d+/(?:.*?/)?'
+    r'chunk(\d+))/(.+)$')
+# Inside an instruction: its call of the chunk's function (a forward that
+# keeps its activations, a backward), the call's body kernels where
+# TensorFlow inlined it, or the body of a forward built inline.
 _LOOP_CALL_RE = re.compile(
-    r'(?:.*/)?(forward|backward)_\d+/(?:.*/)?chunk(\d+)/'
-    r'(?:(?:Stateful)?PartitionedCall|' + stage.INLINE_FORWARD_SCOPE +
-    r'/(.+))$')
+    r'^(?:(?:Stateful)?PartitionedCall(?:_\d+)?|'
+    r'(?:(?:Stateful)?PartitionedCall(?:_\d+)?|' + stage.INLINE_FORWARD_SCOPE +
+    r')/(.+))$')
+# The loops of each executor ('<pass>_device<k>' or '<pass>_<i>').
+_PER_DEVICE_LOOP_RE = re.compile(r'(?:^|/)(?:forward|backward|step)_device\d+/')
+_LOCKSTEP_LOOP_RE = re.compile(r'(?:^|/)(?:forward|backward|step)_\d+/')
+_PASS_PHASES = {'forward': schedule.FORWARD, 'backward': schedule.BACKWARD}
 # Op types that do no work of a call (transfers, graph plumbing).
 # Asserts are Lingvo's shape checks: on static shapes they read constants
-# and run at once, whenever their call comes.
+# and run at once, whenever their call comes. A queue's dequeue waits for
+# its enqueue (the per-device executor's transfers of lowered loops).
 _PLUMBING_OPS = frozenset(['_Send', '_Recv', '_HostSend', '_HostRecv', 'NoOp',
                            '_Arg', '_Retval', 'Identity', 'IdentityN',
-                           'Assert'])
+                           'Assert', 'QueueEnqueueV2', 'QueueDequeueV2'])
 _LABEL_RE = re.compile(r'^\S+ = ([\w.]+)\((.*)\)')
 # Nodes the graph partitioner adds (transfers, control edges): '.../_<n>'.
 _PARTITIONER_NODE_RE = re.compile(r'(^|/)_\d+$')
@@ -101,10 +114,10 @@ _PARTITIONER_NODE_RE = re.compile(r'(^|/)_\d+$')
 def StepKernels(step_stats: Any) -> List[Kernel]:
   """The kernels of a `RunMetadata.step_stats` that work on their inputs.
 
-  Kernels without inputs (constants, variable handles, arguments), asserts
-  and the partitioner's transfer and control nodes (`.../_<n>`) are left
-  out: they run whenever the executor gets to them, not when their call
-  runs.
+  Kernels without inputs (constants, variable handles, arguments), asserts,
+  transfers (Send/Recv, queue ops) and the partitioner's transfer and
+  control nodes (`.../_<n>`) are left out: they run whenever the executor
+  gets to them, or wait for another device, not when their call runs.
 
   Args:
     step_stats: A `tf.compat.v1.RunMetadata().step_stats`.
@@ -126,6 +139,25 @@ def StepKernels(step_stats: Any) -> List[Kernel]:
   return kernels
 
 
+def Executor(kernels: Sequence[Kernel]) -> Optional[str]:
+  """Which loop engine executor ran the traced step's loops, if any.
+
+  Args:
+    kernels: From `StepKernels`.
+
+  Returns:
+    'per_device' (loops '<pass>_device<k>'), 'lockstep' (loops
+    '<pass>_<i>'), or None if no kernel is in a lowered loop (the unrolled
+    engine, or loops that ran unlowered).
+  """
+  names = [k.name for k in kernels if _LOOP_RE.match(k.name)]
+  if any(_PER_DEVICE_LOOP_RE.search(n) for n in names):
+    return 'per_device'
+  if any(_LOCKSTEP_LOOP_RE.search(n) for n in names):
+    return 'lockstep'
+  return None
+
+
 def _Window(kernels: Sequence[Kernel]) -> Tuple[int, int]:
   return min(k.start for k in kernels), max(k.end for k in kernels)
 
@@ -136,7 +168,8 @@ class _Calls:
   Attributes:
     kernels: {(phase, chunk, micro_batch): kernels of the call}.
     inner: {(phase, chunk, micro_batch): (name inside the call, kernel)} for
-      kernels named after their call (the unrolled engine's).
+      kernels named after their call (the unrolled engine's; the loop
+      engine's inline and inlined bodies).
   """
 
   def __init__(self):
@@ -160,28 +193,102 @@ def _UnrolledCalls(kernels: Sequence[Kernel]) -> _Calls:
   return calls
 
 
-def _LoopCalls(kernels: Sequence[Kernel], table: schedule.Table) -> _Calls:
-  """Loop calls: the n-th call of a chunk in a phase is its n-th action."""
-  calls = _Calls()
-  # Per (phase, chunk): per node (None: the call), its runs.
-  found = collections.defaultdict(lambda: collections.defaultdict(list))
+class _Instruction(NamedTuple):
+  """One run of a kind of instruction (a loop's branch) on its device."""
+  start: int  # Its anchor kernel's start.
+  path: str  # The kind: '<loop ...>/chunk<c>'.
+  kernels: List[Tuple[str, Kernel]]  # (node inside the instruction, kernel).
+
+
+def _Instructions(kernels: Sequence[Kernel]
+                 ) -> Dict[Tuple[str, str, int], List[_Instruction]]:
+  """The runs of each kind of instruction, by (path, pass, chunk), in order.
+
+  The nodes of a kind of instruction run once per run of it; the n-th run
+  of each node belongs to its n-th run. Its anchor is its call (else the
+  node that ran most often): the runs are counted by it, and a node that
+  ran another number of times is left out.
+  """
+  nodes = collections.defaultdict(lambda: collections.defaultdict(list))
   for kernel in kernels:
-    match = _LOOP_CALL_RE.match(kernel.name)
+    match = _LOOP_RE.match(kernel.name)
     if match:
-      found[match.group(1), int(match.group(2))][match.group(3)].append(
-          kernel)
-  orders = collections.defaultdict(list)
-  for tick in table.ticks:
-    for action in tick:
-      if action is not None:
-        orders[action.phase, action.chunk].append(action.micro_batch)
-  for (phase, c), nodes in found.items():
-    for inner, runs in nodes.items():
+      path, pass_name, chunk, node = match.groups()
+      nodes[path, pass_name, int(chunk)][node].append(kernel)
+  instructions = {}
+  for key, runs_by_node in nodes.items():
+    for runs in runs_by_node.values():
       runs.sort(key=lambda k: k.start)
-      for kernel, m in zip(runs, orders[phase, c]):
+    calls = [n for n in runs_by_node if _LOOP_CALL_RE.match(n) and
+             not _LOOP_CALL_RE.match(n).group(1)]
+    anchor = max(calls or runs_by_node,
+                 key=lambda n: (len(runs_by_node[n]), n))
+    count = len(runs_by_node[anchor])
+    instructions[key] = [
+        _Instruction(runs_by_node[anchor][i].start, key[0],
+                     [(n, runs[i]) for n, runs in runs_by_node.items()
+                      if len(runs) == count])
+        for i in range(count)
+    ]
+  return instructions
+
+
+def _LoopCalls(kernels: Sequence[Kernel], table: schedule.Table) -> _Calls:
+  """Loop calls: each device's n-th instruction is its n-th table action.
+
+  Both executors run each device's actions in the table's order, one at a
+  time (a tick, or an iteration of the device's loop, per action). Each
+  kind of instruction (a loop's branch of one chunk: its path) is one
+  phase of one chunk; the device's runs of all its kinds, by start, are its
+  actions in order, which says the phase of each kind (in a 'step' pass,
+  forward and backward instructions of a chunk are different kinds) and
+  the micro-batch of each run. A call's kernels are its function call, the
+  call's body where TensorFlow inlined it, or its forward body built
+  inline; an instruction without those (a forward whose outputs nothing
+  reads, pruned) is timed by its other kernels (buffer reads and writes).
+
+  Args:
+    kernels: From `StepKernels`.
+    table: The table the step ran.
+
+  Returns:
+    The calls.
+
+  Raises:
+    ValueError: if a device ran another number of instructions than it has
+      actions, or a kind of instruction lines up with several phases or
+      another chunk.
+  """
+  calls = _Calls()
+  by_device = collections.defaultdict(list)
+  for (path, pass_name, c), runs in _Instructions(kernels).items():
+    if c >= table.num_chunks:
+      raise ValueError(f'{path}: chunk {c} is not in the table '
+                       f'({table.num_chunks} chunks).')
+    by_device[table.Device(c)] += [(run, pass_name, c) for run in runs]
+  for k, order in enumerate(table.device_orders):
+    runs = sorted(by_device[k], key=lambda r: r[0].start)
+    if len(runs) != len(order):
+      raise ValueError(
+          f'device {k} ran {len(runs)} instructions in the traced loops, its '
+          f'table has {len(order)} actions; its op names may have changed '
+          '(see lingvo_gpipe/engine/trace.py), or loops ran unlowered.')
+    phases = {}
+    for (run, pass_name, c), (phase, chunk, m) in zip(runs, order):
+      expected = _PASS_PHASES.get(pass_name, phase)
+      if (chunk != c or phase != expected or
+          phases.setdefault(run.path, phase) != phase):
+        raise ValueError(
+            f"device {k}'s instructions do not run in its table order: "
+            f'{run.path} ({pass_name} pass) lines up with {phase} of chunk '
+            f'{chunk}, micro-batch {m}.')
+      work = [(n, kernel) for n, kernel in run.kernels
+              if _LOOP_CALL_RE.match(n)]
+      for n, kernel in work or run.kernels:
         calls.kernels[phase, c, m].append(kernel)
-        if inner is not None:
-          calls.inner[phase, c, m].append((inner, kernel))
+        inner = _LOOP_CALL_RE.match(n)
+        if inner and inner.group(1):
+          calls.inner[phase, c, m].append((inner.group(1), kernel))
   return calls
 
 
@@ -210,8 +317,10 @@ def StepEvents(kernels: Sequence[Kernel], table: schedule.Table, remat: str,
   for kernel in kernels:
     by_device[kernel.device].append(kernel)
   recomputes = schedule.RecomputedCalls(table, remat)
-  # The kernel names of each chunk's forward body: inner names (unrolled) or
-  # the kernels inside the forward calls' windows on their device (loop).
+  # The kernel names of each chunk's forward body: inner names (unrolled;
+  # loop: inline and inlined bodies), or the kernels of a called function's
+  # body inside the forward calls' windows on their device (loop; not the
+  # loops' own ops).
   body_names = collections.defaultdict(set)
   for (phase, c, m), call_kernels in calls.kernels.items():
     if phase != schedule.FORWARD:
@@ -220,7 +329,8 @@ def StepEvents(kernels: Sequence[Kernel], table: schedule.Table, remat: str,
     start, end = _Window(call_kernels)
     body_names[c].update(k.name for k in by_device[call_kernels[0].device]
                          if start <= k.start and k.end <= end and
-                         k not in call_kernels)
+                         k not in call_kernels and
+                         (engine == 'unrolled' or not _LOOP_RE.match(k.name)))
 
   raw, devices = [], collections.defaultdict(set)
   for tick in table.ticks:

@@ -1,0 +1,223 @@
+"""How the loop engine's executors move an edge's tensors between devices.
+
+The interpreter (`interpreter.py`) asks a transport for a forward's inputs
+and a backward's output gradients, and hands it a forward's outputs and a
+backward's input gradients. Two transports:
+
+* `Buffers` (the lockstep executor): every edge's tensors go to a buffer on
+  its reader's device, their gradients to one on its writer's, at the slots
+  of the lowered step's transfers. An instruction leaves its results in the
+  transport's loop variables ('sent', 'sent_grad', per edge); the executor
+  writes them to the buffers after each tick (`WriteTick`): one write per
+  edge and tick, outside the devices' branches;
+* `Links` (the per-device executor): each transfer goes over a link from
+  the producing device to the receiving one, which delivers in send order:
+  a channel (`channel.Channel`, TensorFlow's own Send/Recv, for functional
+  loops) or a FIFO queue on the receiving device (for lowered loops, whose
+  Send/Recv keys carry their loop frame). A forward's received inputs are
+  also written to the 'data' buffer its backward reads.
+
+The input edge's gradients and the output edges' tensors stay in buffers on
+their device, whichever transport.
+"""
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import tensorflow as tf
+
+from lingvo_gpipe.engine import channel
+from lingvo_gpipe.engine import chunks as chunks_lib
+from lingvo_gpipe.planning import lowering
+
+F, B = lowering.F, lowering.B
+
+
+class Buffers:
+  """Edges' tensors through buffers indexed by slot (lockstep executor)."""
+
+  FIELDS = ('sent', 'sent_grad')
+
+  @staticmethod
+  def HasBuffer(unused_kind: str, unused_e: int) -> bool:
+    return True
+
+  @staticmethod
+  def Initial(interp) -> Dict[str, List[List[tf.Tensor]]]:
+    """Placeholders of the latest results sent over each edge."""
+    v = {'sent': [], 'sent_grad': []}
+    for e, edge in enumerate(interp.edges):
+      boundary = interp.boundaries[e]
+      device = interp.BufferDevice('data', e)
+      with tf.device(device):
+        v['sent'].append([chunks_lib.Placeholder(s) for s in boundary.specs]
+                         if edge.source is not None else [])
+        v['sent_grad'].append(
+            [chunks_lib.Placeholder(s) for s in boundary.DifferentiableSpecs()]
+            if edge.target is not None else [])
+    return v
+
+  @staticmethod
+  def Invariants(interp) -> Dict[str, List[List[tf.TensorShape]]]:
+    """The placeholders' unknown dimensions are 0: their specs' shapes."""
+    return {
+        'sent': [[s.shape for s in b.specs] if e.source is not None else []
+                 for e, b in zip(interp.edges, interp.boundaries)],
+        'sent_grad': [[s.shape for s in b.DifferentiableSpecs()]
+                      if e.target is not None else []
+                      for e, b in zip(interp.edges, interp.boundaries)],
+    }
+
+  @staticmethod
+  def Changed(interp, k: int, phase: str) -> List[Tuple[str, int]]:
+    own = interp.Own(k)
+    if phase == F:
+      return [('sent', e) for e, edge in enumerate(interp.edges)
+              if edge.source in own]
+    return [('sent_grad', e) for e, edge in enumerate(interp.edges)
+            if edge.target in own]
+
+  @staticmethod
+  def ForwardInput(unused_interp, e: int, row, v, unused_new
+                  ) -> List[tf.Tensor]:
+    return [a.read(row['data_read', e]) for a in v['data'][e]]
+
+  @staticmethod
+  def ForwardOutput(unused_interp, e: int, tensors: List[tf.Tensor],
+                    unused_m, unused_row, unused_v, new) -> List[Any]:
+    new['sent'][e] = list(tensors)
+    return []
+
+  @staticmethod
+  def OutputGradient(unused_interp, e: int, row, v) -> List[tf.Tensor]:
+    return [a.read(row['grad_read', e]) for a in v['grad'][e]]
+
+  @staticmethod
+  def InputGradient(unused_interp, e: int, grads: List[tf.Tensor], unused_m,
+                    unused_row, unused_v, new) -> List[Any]:
+    new['sent_grad'][e] = list(grads)
+    return []
+
+  @staticmethod
+  def WriteTick(interp, phases: Sequence[str], fields, v) -> None:
+    """Writes what the tick sent to the buffers, at the rows' write slots.
+
+    Args:
+      interp: The interpreter.
+      phases: The phases of the segment's instructions.
+      fields: Every edge field of the tick: {(field, edge): slot}.
+      v: The variables after the tick's instructions; updated.
+    """
+    for e, edge in enumerate(interp.edges):
+      if F in phases and edge.source is not None and v['data'][e]:
+        with tf.device(interp.BufferDevice('data', e)):
+          v['data'][e] = [a.write(fields['data_write', e], t)
+                          for a, t in zip(v['data'][e], v['sent'][e])]
+      if B in phases and edge.target is not None and v['grad'][e]:
+        with tf.device(interp.BufferDevice('grad', e)):
+          v['grad'][e] = [a.write(fields['grad_write', e], g)
+                          for a, g in zip(v['grad'][e], v['sent_grad'][e])]
+
+
+class _Queue:
+  """A link that is a FIFO queue on the receiving device."""
+
+  def __init__(self, spec: tf.TensorSpec, unused_send_device: str,
+               recv_device: str, name: str):
+    self.spec = spec
+    with tf.device(recv_device):
+      self._queue = tf.queue.FIFOQueue(capacity=2**20, dtypes=[spec.dtype],
+                                       shapes=[spec.shape], name=name)
+
+  def Send(self, t: tf.Tensor) -> tf.Operation:
+    return self._queue.enqueue([t])
+
+  def Recv(self) -> tf.Tensor:
+    t = self._queue.dequeue()
+    t.set_shape(self.spec.shape)
+    return t
+
+
+class Links:
+  """Edges' tensors over links between devices (per-device executor).
+
+  Attributes:
+    training: Whether forwards save their received inputs for the backward.
+  """
+
+  FIELDS = ()
+
+  def __init__(self, interp, devices: Sequence[str], queues: bool):
+    """Builds a link per edge tensor and direction.
+
+    Args:
+      interp: The interpreter.
+      devices: The K devices' full names.
+      queues: Whether the links are queues (lowered loops) or channels.
+    """
+    self.training = interp.step.training
+    link = _Queue if queues else channel.Channel
+    table = interp.step.table
+    self._links = {}
+    for e, edge in enumerate(interp.edges):
+      if edge.source is None or edge.target is None:
+        continue
+      writer = devices[table.Device(edge.source)]
+      reader = devices[table.Device(edge.target)]
+      boundary = interp.boundaries[e]
+      self._links[e, 'data'] = [link(s, writer, reader, f'edge{e}_data')
+                                for s in boundary.specs]
+      self._links[e, 'grad'] = [link(s, reader, writer, f'edge{e}_grad')
+                                for s in boundary.DifferentiableSpecs()]
+
+  def HasBuffer(self, kind: str, e: int) -> bool:
+    """The output's tensors, the input's gradients and, in training, the
+    inputs a backward reads: links carry the rest."""
+    between = (e, 'data') in self._links
+    return not between if kind == 'grad' else self.training or not between
+
+  @staticmethod
+  def Initial(unused_interp) -> Dict[str, Any]:
+    return {}
+
+  @staticmethod
+  def Invariants(unused_interp) -> Dict[str, Any]:
+    return {}
+
+  def Changed(self, interp, k: int, phase: str) -> List[Tuple[str, int]]:
+    own = interp.Own(k)
+    changed = []
+    for e, edge in enumerate(interp.edges):
+      if phase == F and edge.target in own and self.training and (
+          (e, 'data') in self._links):
+        changed.append(('data', e))
+      if phase == F and edge.source in own and edge.target is None:
+        changed.append(('data', e))
+      if phase == B and edge.target in own and edge.source is None:
+        changed.append(('grad', e))
+    return changed
+
+  def ForwardInput(self, unused_interp, e: int, row, v, new
+                  ) -> List[tf.Tensor]:
+    received = [link.Recv() for link in self._links[e, 'data']]
+    if self.training:
+      new['data'][e] = [a.write(row['data_read', e], t)
+                        for a, t in zip(v['data'][e], received)]
+    return received
+
+  def ForwardOutput(self, interp, e: int, tensors: List[tf.Tensor], m,
+                    unused_row, v, new) -> List[Any]:
+    if interp.edges[e].target is None:
+      new['data'][e] = [a.write(m, t) for a, t in zip(v['data'][e], tensors)]
+      return []
+    return [link.Send(t) for link, t in zip(self._links[e, 'data'], tensors)]
+
+  def OutputGradient(self, unused_interp, e: int, unused_row, unused_v
+                    ) -> List[tf.Tensor]:
+    return [link.Recv() for link in self._links[e, 'grad']]
+
+  def InputGradient(self, interp, e: int, grads: List[tf.Tensor], m,
+                    unused_row, v, new) -> List[Any]:
+    if interp.edges[e].source is None:
+      new['grad'][e] = [a.write(m, g) for a, g in zip(v['grad'][e], grads)]
+      return []
+    return [link.Send(g) for link, g in zip(self._links[e, 'grad'], grads)]
