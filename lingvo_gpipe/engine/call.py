@@ -14,7 +14,7 @@ by `PipelinedCall`, once for all of them:
   the whole batch at once, as there is no backward pass to overlap;
 * the engine (`planning.schedule.ChooseEngine`, under XLA as `xla.py` says);
 * the run (`pipeline.Pipeline`), for eval (training=False) without backward
-  work: no recompute, the forward ticks of a GPipe table, nothing kept.
+  work: no recompute, the training table's forward actions, nothing kept.
 
 Four cells of a matmul each, cut by their parameters into two stages:
 
