@@ -8,16 +8,29 @@ either engine and any schedule table:
   inlined ('.../chunk<c>_mb<m>/StatefulPartitionedCall/<body node>') or the
   call itself, its backward is the gradient function of that call
   ('gradients/.../chunk<c>_mb<m>/<op>_grad/StatefulPartitionedCall');
-* loop: each tick's call of chunk c is a function call named
-  '.../<forward|backward>_<i>/.../chunk<c>/StatefulPartitionedCall', or,
-  for a forward that recomputes, its body's kernels built inline
-  ('.../chunk<c>/inline_forward/<body node>', `stage.INLINE_FORWARD_SCOPE`)
-  (`loop.py`), visible in step stats when the loops are lowered
-  (`loop.LOWER_CONTROL_FLOW`); the n-th call of chunk c in a phase is the
-  n-th action of chunk c in that phase of the table, and the n-th run of
-  an inline body node belongs to it.
+* loop (`loop.py`), its loops lowered (`control_flow.ObservableLoops`, the
+  only way step stats show the kernels inside them), either executor: the
+  loops of a pass ('forward', 'backward' or, with the loss inside, 'step')
+  are '<pass>_<i>' (lockstep, one loop per segment for all devices) or
+  '<pass>_device<k>' (per device, `Executor` tells which ran), and each
+  device's instruction of chunk c runs under '.../chunk<c>/', inside the
+  branch that picked it: the instruction's path ('<loop>/.../chunk<c>')
+  names its kind (`interpreter.py`). Its work is its call of the chunk's
+  function ('.../chunk<c>/StatefulPartitionedCall': a backward, a forward
+  that keeps its activations), that call's body where TensorFlow inlined
+  it ('.../chunk<c>/PartitionedCall/<body node>'), or, for a forward that
+  recomputes, its body built inline ('.../chunk<c>/inline_forward/<body
+  node>', `stage.INLINE_FORWARD_SCOPE`). Each executor runs a device's
+  actions one at a time in table order, so the n-th instruction a device
+  ran (by start) is its n-th action: that tells each kind's phase (in a
+  'step' pass a chunk's forward and backward are two kinds, told apart by
+  their branches, not by their names) and each run's micro-batch, and so
+  the n-th call of chunk c in a phase is the n-th action of chunk c in
+  that phase of the table.
 
-A call's window runs from its first kernel's start to its last kernel's end.
+A call's window runs from its first kernel's start to its last kernel's end;
+transfers (Send/Recv, the per-device executor's queues) are not part of it:
+a receive waits for its sender.
 For calls that recompute, the recompute is the part of the backward call up
 to the end of the last kernel that repeats a forward kernel of the same
 chunk (same node name inside the function), and the backward the rest.
