@@ -1,15 +1,21 @@
 """A real training step of a small pipeline, traced: who ran what, when.
 
-`TraceStep` builds GPipeSequentialLayer over Lingvo FC cells, K stages on K
-logical CPU devices (TF1 session), runs warm-up steps and one step with
-FULL_TRACE, and reads from the kernels' step stats which chunk ran which
-micro-batch and phase (forward, recompute, backward) when
-(`lingvo_gpipe.engine.trace`). The loop engine is traced with its loops
-lowered (`loop.LOWER_CONTROL_FLOW`), the only way step stats show the
-kernels inside them. It then feeds the measured mean call times of each
-chunk to the schedule simulator (lockstep ticks for the loop engine), which
-assumes one free core per device, so that the measured step can be compared
-with the simulated one.
+`TraceStep` builds GPipeSequentialLayer over Lingvo FC cells with the given
+schedule, K stages on K logical CPU devices (TF1 session, as Lingvo's
+trainer builds it), runs warm-up steps and one step with FULL_TRACE, and
+reads from the kernels' step stats which chunk ran which micro-batch and
+phase (forward, recompute, backward) when (`lingvo_gpipe.engine.trace`).
+A schedule with the loss inside (`schedule.SCHEDULES[name].loss_inside`,
+e.g. '1f1b') gets a last cell that computes the loss, mean(y^2), in the
+last chunk; with the loss outside the same loss is computed after the
+pipeline. The loop engine's loops are built lowered
+(`control_flow.ObservableLoops`), the only way step stats show the kernels
+inside them; the executor is the one training runs ('auto': per-device
+loops in a TF1 graph), which the trace records. It then feeds the measured
+mean call times of each chunk to the schedule simulator, timed as that
+executor runs (lockstep ticks, or each device on its own), which assumes one
+free core per device, so that the measured step can be compared with the
+simulated one.
 
     timeline = TraceStep(num_stages=4, num_micro=8, remat='always',
                          cells_per_stage=2, dim=256, micro_batch_size=16,
@@ -20,7 +26,7 @@ TensorFlow and Lingvo are imported when a step is recorded.
 """
 
 import dataclasses
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import models
 from lingvo_gpipe.engine import trace
@@ -31,14 +37,16 @@ from lingvo_gpipe.planning import simulate
 def RecordStep(num_stages: int, num_micro: int, remat: str,
                cells_per_stage: int, dim: int, micro_batch_size: int,
                warmup_steps: int, engine: str, virtual_stages: int,
-               intra_op_threads: int = 0) -> Tuple[Any, Any]:
+               intra_op_threads: int = 0,
+               schedule_name: str = 'gpipe') -> Tuple[Any, schedule.Table]:
   """Runs training steps of FC cells as a pipeline; traces the last one.
 
   Args:
     num_stages: K; stage k runs on logical CPU device k.
     num_micro: M.
     remat: The remat mode.
-    cells_per_stage: Lingvo FCLayers per chunk.
+    cells_per_stage: Lingvo FCLayers per chunk (the last chunk also gets
+      the loss cell when the schedule has the loss inside).
     dim: Their input and output size.
     micro_batch_size: Examples per micro-batch.
     warmup_steps: Untraced steps before the traced one.
@@ -46,36 +54,46 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
     virtual_stages: v, chunks per device.
     intra_op_threads: Threads per op (0: TensorFlow's default); 1 makes each
       logical CPU device act as one core.
+    schedule_name: A key of `schedule.SCHEDULES`.
 
   Returns:
     (step_stats, table): the traced step's `RunMetadata.step_stats` and the
-    schedule table it ran.
+    schedule table it ran (the layer's pipeline builds the same
+    `schedule.BuildTable` of the schedule, K, M and v).
   """
   # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils
   import numpy as np
   import tensorflow as tf
   from lingvo_gpipe import layers as gpipe_layers
-  from lingvo_gpipe.engine import loop
+  from lingvo_gpipe.engine import control_flow
   # pylint: enable=g-import-not-at-top
+  loss_inside = schedule.CheckSchedule(schedule_name).loss_inside
   if intra_op_threads:  # Before the session creates its thread pools.
     tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(2 * num_stages)
   devices = [f'/job:localhost/replica:0/task:0/device:CPU:{k}'
              for k in range(num_stages)]
-  cells = models.FcCells(num_stages * virtual_stages * cells_per_stage, dim,
-                         he_init=False)
+  num_chunks = num_stages * virtual_stages
+  cells = models.FcCells(num_chunks * cells_per_stage, dim, he_init=False)
+  partition = [cells_per_stage] * num_chunks
+  if loss_inside:  # The last chunk ends in the loss, a scalar per call.
+    cells.append(models.LossCell())
+    partition[-1] += 1
   graph = tf.Graph()
-  with graph.as_default(), loop.ObservableLoops():
+  with graph.as_default(), control_flow.ObservableLoops():
     py_utils.GetOrCreateGlobalStepVar()
     layer = gpipe_layers.GPipeSequentialLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_stages=num_stages,
         virtual_stages=virtual_stages, num_micro_batches=num_micro,
-        remat=remat, devices=devices, engine=engine).Instantiate()
+        partition=partition, remat=remat, devices=devices, engine=engine,
+        schedule=schedule_name).Instantiate()
     inputs = np.random.RandomState(0).standard_normal(
         [num_micro * micro_batch_size, dim]).astype(np.float32)
     outputs = layer.FProp(layer.theta, tf.constant(inputs))
-    loss = tf.reduce_mean(tf.square(outputs))
+    # With the loss inside, FProp returns the mean over micro-batches of the
+    # last cell's mean(y^2): the same loss.
+    loss = outputs if loss_inside else tf.reduce_mean(tf.square(outputs))
     variables = layer.vars.Flatten()
     grads = tf.compat.v1.gradients(loss, variables,
                                    colocate_gradients_with_ops=True)
@@ -89,10 +107,12 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
         inter_op_parallelism_threads=2 * num_stages if intra_op_threads else 0)
     with tf.compat.v1.Session(graph=graph, config=config) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
+      # The loss too, as a trainer fetches it: with the loss inside, the last
+      # chunk's forwards compute it only for that fetch.
       for _ in range(warmup_steps):
-        sess.run(train_op)
+        sess.run([train_op, loss])
       run_metadata = tf.compat.v1.RunMetadata()
-      sess.run(train_op,
+      sess.run([train_op, loss],
                options=tf.compat.v1.RunOptions(
                    trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
                run_metadata=run_metadata)
@@ -109,8 +129,11 @@ class TracedStep:
     occupancy: Step time, bubble fraction and utilization of the events.
     mean_durations: {phase: mean call time of each chunk (0.0: no call)}.
     simulated: The simulator fed with the mean forward and recompute +
-      backward times (a recompute is timed as part of its backward call).
+      backward times (a recompute is timed as part of its backward call),
+      timed as the executor runs the step.
     table: The schedule table the step ran.
+    executor: The loop engine's executor that ran the step, read from the
+      trace ('lockstep' or 'per_device'); None for the unrolled engine.
   """
   events: List[simulate.Event]
   devices: Dict[int, List[str]]
@@ -118,6 +141,7 @@ class TracedStep:
   mean_durations: Dict[str, List[float]]
   simulated: simulate.Simulation
   table: schedule.Table
+  executor: Optional[str] = None
 
 
 def _MeanDuration(events: Sequence[simulate.Event], chunk: int,
@@ -132,7 +156,8 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
               cells_per_stage: int, dim: int, micro_batch_size: int,
               warmup_steps: int, engine: str = 'unrolled',
               virtual_stages: int = 1,
-              intra_op_threads: int = 0) -> TracedStep:
+              intra_op_threads: int = 0,
+              schedule_name: str = 'gpipe') -> TracedStep:
   """Records a step (see `RecordStep` for the arguments) and reads it.
 
   Returns:
@@ -144,19 +169,21 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
   step_stats, table = RecordStep(num_stages, num_micro, remat,
                                  cells_per_stage, dim, micro_batch_size,
                                  warmup_steps, engine, virtual_stages,
-                                 intra_op_threads)
-  events, devices = trace.StepEvents(
-      trace.StepKernels(step_stats), table, remat, engine)
+                                 intra_op_threads, schedule_name)
+  kernels = trace.StepKernels(step_stats)
+  executor = None if engine == 'unrolled' else trace.Executor(kernels)
+  events, devices = trace.StepEvents(kernels, table, remat, engine)
   means = {phase: [_MeanDuration(events, c, phase)
                    for c in range(table.num_chunks)]
            for phase in schedule.PHASES}
   # The simulator assumes one free core per device; here K logical devices
   # share the host's cores. A recompute is timed as part of its backward call
-  # (measured, it is not just another forward).
+  # (measured, it is not just another forward). Lockstep ticks only for the
+  # lockstep executor: per-device loops wait only for what they receive.
   simulated = simulate.Simulate(
       table, means['forward'],
       [r + b for r, b in zip(means['recompute'], means['backward'])],
-      'never', lockstep=engine == 'loop')
+      'never', lockstep=executor == 'lockstep')
   return TracedStep(events, devices,
                     simulate.StageOccupancy(events, num_stages), means,
-                    simulated, table)
+                    simulated, table, executor)

@@ -64,6 +64,13 @@ RUNS = {
         '--fc_dim=8', '--micro_batch_size=2', '--warmup_steps=1',
         '--json_out={tmp}/tl_circular.json'
     ],
+    # 1F1B: the loss in a last cell, forwards and backwards in one pass.
+    'timeline_1f1b': [
+        'timeline', '--num_stages=2', '--num_micro_batches=4',
+        '--schedule=1f1b', '--remat=never', '--cells_per_stage=1',
+        '--fc_dim=8', '--micro_batch_size=2', '--warmup_steps=1',
+        '--json_out={tmp}/tl_1f1b.json'
+    ],
     'simulate_no_m': ['simulate', '--forward_costs=1,2'],
     'simulate_mismatch': ['simulate', '--forward_costs=1,2', '--num_stages=3',
                           '--num_micro_batches=2'],
@@ -294,33 +301,44 @@ def testTimelineOfARealStep(runs):
                    r'simulated step: [\d.]+$', stdout, re.MULTILINE)
 
 
-@pytest.mark.parametrize('name, engine, order', [
-    ('timeline_loop', 'loop', ['F0.0', 'F0.1', 'F0.2']),
-    ('timeline_circular', 'loop', ['F0.0', 'F0.1', 'F2.0', 'F2.1', 'F0.2']),
+@pytest.mark.parametrize('name, order', [
+    ('timeline_loop', ['F0.0', 'F0.1', 'F0.2']),
+    ('timeline_circular', ['F0.0', 'F0.1', 'F2.0', 'F2.1', 'F0.2']),
+    # 1F1B interleaves after K - 1 = 1 warm-up forward (GPipe's order would
+    # be F0.0 F0.1 F0.2 F0.3 B0.3 ...).
+    ('timeline_1f1b', ['F0.0', 'F0.1', 'B0.0', 'F0.2', 'B0.1', 'F0.3', 'B0.2',
+                       'B0.3']),
 ])
-def testTimelineOfTheLoopEngine(runs, name, engine, order):
-  """Both engines and circular steps are traced; calls follow the table."""
+def testTimelineOfTheLoopEngine(runs, name, order):
+  """Loop steps are traced as training runs them; calls follow the table."""
   code, stdout, stderr = runs[name]
   assert code == 0, stderr
-  assert f'{engine} engine (loops lowered)' in stdout
-  assert re.search(r'^  stage 0: ' + ' '.join(order) + ' ', stdout,
+  # In a TF1 graph the layer's executor='auto' runs per-device loops.
+  assert 'loop engine, per_device executor (loops lowered)' in stdout
+  assert re.search(r'^  stage 0: ' + ' '.join(order) + r'( |$)', stdout,
                    re.MULTILINE), stdout
   with open(os.path.join(runs['tmp'], f'tl_{name[9:]}.json')) as f:
     numbers = json.load(f)
-  assert numbers['engine'] == engine
-  table = schedule.BuildTable('gpipe', 2, numbers['num_micro_batches'],
+  assert (numbers['engine'], numbers['executor']) == ('loop', 'per_device')
+  table = schedule.BuildTable(numbers['schedule'], 2,
+                              numbers['num_micro_batches'],
                               numbers['virtual_stages'])
-  # Every call of the table, once per phase (recompute: remat 'always').
+  # Every call of the table, once per phase (a recompute unless remat is
+  # 'never').
+  phases = ('forward', 'backward') if numbers['remat'] == 'never' else (
+      schedule.PHASES)
   calls = sorted((e['chunk'], e['micro_batch'], e['phase'])
                  for e in numbers['events'])
   assert calls == sorted(
       (c, m, p) for c in range(table.num_chunks)
-      for m in range(table.num_micro_batches) for p in schedule.PHASES)
+      for m in range(table.num_micro_batches) for p in phases)
   for k in range(2):  # Each device ran its calls in table order.
     ran = [(e['phase'], e['chunk'], e['micro_batch'])
            for e in numbers['events']
            if e['stage'] == k and e['phase'] != 'recompute']
     assert ran == [tuple(a) for a in table.device_orders[k]]
+  assert re.search(r'^simulated from the mean call times \(loop engine, '
+                   r'per_device executor\): step', stdout, re.MULTILINE)
 
 
 def _Cpu(k):

@@ -23,11 +23,14 @@ Subcommands (the first argument that is not a flag):
              closed form), per-device utilization and peak activation
              memory; optionally draws the step (--png_out, --trace_out).
   timeline   Runs a real training step of a small GPipeSequentialLayer (FC
-             cells, K devices on K logical CPU devices, TF1 session with
-             FULL_TRACE; the loop engine with its loops lowered, so that the
-             trace shows them) and shows which chunk ran which micro-batch
-             and phase when: a table, the simulator fed with the measured
-             call times, and the same picture and trace as simulate.
+             cells, and a loss cell for a schedule with the loss inside;
+             --schedule, K devices on K logical CPU devices, TF1 session
+             with FULL_TRACE, as training runs it: the loop engine's
+             per-device executor, its loops lowered so that the trace shows
+             them) and shows which chunk ran which micro-batch and phase
+             when: a table, the simulator fed with the measured call times
+             (timed as the executor runs), and the same picture and trace as
+             simulate.
   auto       Chooses K, M, schedule, virtual stages, remat and partition of
              a registered model for N devices of --memory_per_device bytes
              (`planning.search`): profiles every cell once (a worker
@@ -239,7 +242,7 @@ flags.DEFINE_integer(
     'the profile and verification workers, or the traced step. 1 makes each '
     'logical CPU device act as one core, so that stages overlap as they '
     'would on separate devices; 0: TensorFlow\'s default (all cores).',
-    lower_bound=1)
+    lower_bound=0)
 flags.DEFINE_string(
     'profile_out', None, 'auto: write the model profile (JSON) there, to '
     'plan again without profiling (--profile_in).')
@@ -523,7 +526,7 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
   print(_Bubble(num_stages, num_micro, sim.bubble_fraction))
   print('stage  chunks  utilization  peak memory  held then')
   for k in range(num_stages):
-    chunks = ','.join(str(c) for c in range(k, num_chunks, num_stages))
+    chunks = ','.join(str(c) for c in table.device_chunks[k])
     print(f'{k:5d}  {chunks:>6}  {sim.utilization[k]:11.3f}  '
           f'{sim.peak_memory[k]:11.4g}  '
           f'{sim.peak_inputs[k]} inputs + activations of '
@@ -584,7 +587,8 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
     traced = traced_step.TraceStep(num_stages, num_micro, remat,
                                    FLAGS.cells_per_stage, FLAGS.fc_dim,
                                    FLAGS.micro_batch_size, FLAGS.warmup_steps,
-                                   engine, virtual, FLAGS.intra_op_threads)
+                                   engine, virtual, FLAGS.intra_op_threads,
+                                   FLAGS.schedule)
   except ValueError as e:
     raise PlanError(str(e)) from e
   events, devices = traced.events, traced.devices
@@ -592,7 +596,10 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
                            traced.simulated)
   factor, unit = timeline.TimeUnit(occupancy.step_time)
   shape = f'K={num_stages}, v={virtual}, M={num_micro}, remat={remat}'
-  print(f'Traced {FLAGS.schedule} step, {engine} engine'
+  # The loop engine's executor, as the trace shows it ran.
+  runs_as = f'{engine} engine' + (f', {traced.executor} executor'
+                                  if engine == 'loop' else '')
+  print(f'Traced {FLAGS.schedule} step, {runs_as}'
         f'{" (loops lowered)" if engine == "loop" else ""}: {shape}, '
         f'{num_stages} CPU devices, {FLAGS.cells_per_stage} FC cells of '
         f'{FLAGS.fc_dim} per chunk, micro-batch size {FLAGS.micro_batch_size}')
@@ -617,18 +624,19 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   for k in range(num_stages):
     print(f'{k:5d}  {occupancy.utilization[k]:11.3f}  '
           f'{", ".join(d.split("/")[-1] for d in devices[k])}')
-  print(f'simulated from the mean call times ({engine} engine): step '
+  print(f'simulated from the mean call times ({runs_as}): step '
         f'{sim.step_time * factor:.4g} {unit}, bubble fraction '
         f'{sim.bubble_fraction:.3f}; measured / simulated step: '
         f'{occupancy.step_time / sim.step_time:.2f}')
   _WriteOutputs(events, num_stages,
-                f'Traced {FLAGS.schedule} step, {engine} engine: {shape}, '
+                f'Traced {FLAGS.schedule} step, {runs_as}: {shape}, '
                 f'bubble {occupancy.bubble_fraction:.3f}', (factor, unit))
   return {
       'subcommand': 'timeline',
       'host': measured_on,
       'schedule': FLAGS.schedule,
       'engine': engine,
+      'executor': traced.executor,
       'num_stages': num_stages,
       'virtual_stages': virtual,
       'num_micro_batches': num_micro,
