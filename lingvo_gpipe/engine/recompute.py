@@ -40,12 +40,13 @@ def Gate(tensors: Sequence[tf.Tensor],
          after: Sequence[Any]) -> List[tf.Tensor]:
   """Identities of `tensors` that exist only once all of `after` exist.
 
-  The control dependencies are on identities of `after` as well as on the
-  ops that made them: when TensorFlow inlines the function call that
-  produced `after`, a control edge on the call becomes one on its side
-  effects only and would not wait for its outputs, which an identity reads
-  itself; the edge on the call is still needed, because Grappler inlines a
-  call with side effects only where it has outgoing control edges.
+  The control dependencies are on an op that reads `after` (an identity,
+  or one IdentityN for several tensors) as well as on the ops that made
+  them: when TensorFlow inlines the function call that produced `after`, a
+  control edge on the call becomes one on its side effects only and would
+  not wait for its outputs, which the reading op takes as data inputs; the
+  edge on the call is still needed, because Grappler inlines a call with
+  side effects only where it has outgoing control edges.
 
   Args:
     tensors: What to pass on.
@@ -56,8 +57,14 @@ def Gate(tensors: Sequence[tf.Tensor],
   """
   after = tf.nest.flatten([t for t in after if t is not None],
                           expand_composites=True)
-  call_ops = [] if tf.executing_eagerly() else [t.op for t in after]
-  with tf.control_dependencies(call_ops + [tf.identity(t) for t in after]):
+  waits = []
+  if after and not tf.executing_eagerly():  # Eagerly, nothing to order.
+    # One op reads them all: the same data edges as an identity each, but
+    # one graph node per gate, not one per tensor (graph build time).
+    read = (tf.identity(after[0]) if len(after) == 1 else
+            tf.identity_n(after)[0])
+    waits = [t.op for t in after] + [read.op]
+  with tf.control_dependencies(waits):
     return [tf.identity(t) for t in tensors]
 
 
@@ -153,7 +160,12 @@ def RecomputingCall(forward: Callable, backward: Callable,
         # The gradients of the chain (the token, the weights passed on) are
         # data inputs too: made by the next micro-batch's backward, which
         # TensorFlow may inline (a call that keeps its activations).
-        waits = [d for d in [d_token_out] + d_theta_out if d is not None]
+        # The same number of waits at every call (the weights themselves stand
+        # in for the gradients of weights not passed on, at a stage's last
+        # call), so that `backward` is traced once per stage, not twice.
+        waits = [d_token_out if d_token_out is not None else token_in] + [
+            d if d is not None else t
+            for d, t in zip(d_theta_out, gated[:n_theta])]
         d_inputs = backward(gated[:n_theta], gated[n_theta:n_theta + n_x],
                             gated[n_theta + n_x:], micro_batch_id, d_results,
                             tf.nest.flatten(waits, expand_composites=True))
