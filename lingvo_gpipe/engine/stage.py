@@ -53,11 +53,9 @@ except ImportError:
   _tf_attributes = None
 
 from lingvo_gpipe.engine import recompute
+from lingvo_gpipe.engine import scopes
 
 _NO_SPECIALIZE = '_nospecialize'
-# The name scope of a forward body built inline (`Stage.InlineForward`),
-# which engine/trace.py reads.
-INLINE_FORWARD_SCOPE = 'inline_forward'
 
 MaybeTensor = Optional[tf.Tensor]
 StageFn = Callable[[Any, Tuple[MaybeTensor, ...], Any, tf.Tensor],
@@ -416,7 +414,8 @@ class Stage:
     a function of its own at every tick, a cost that shows on small stages
     (docs/engines.md). The caller
     places the ops (`tf.device`); they are named
-    '<caller's scope>/INLINE_FORWARD_SCOPE/<op as named in `forward`>'.
+    '<caller's scope>/<scopes.INLINE_FORWARD_SCOPE>/<op as named in
+    `forward`>'.
 
     Args:
       theta_flat: Flat weights.
@@ -428,7 +427,7 @@ class Stage:
       The output leaves that are not None, then the flat new state, as
       `forward` returns them.
     """
-    with tf.name_scope(INLINE_FORWARD_SCOPE):
+    with tf.name_scope(scopes.INLINE_FORWARD_SCOPE):
       y, state = self._Body(theta_flat, x_tensors, state_flat,
                             micro_batch_id, pinned=False)
     return y + state

@@ -20,7 +20,7 @@ either engine and any schedule table:
   that keeps its activations), that call's body where TensorFlow inlined
   it ('.../chunk<c>/PartitionedCall/<body node>'), or, for a forward that
   recomputes, its body built inline ('.../chunk<c>/inline_forward/<body
-  node>', `stage.INLINE_FORWARD_SCOPE`). Each executor runs a device's
+  node>', `scopes.INLINE_FORWARD_SCOPE`). Each executor runs a device's
   actions one at a time in table order, so the n-th instruction a device
   ran (by start) is its n-th action: that tells each kind's phase (in a
   'step' pass a chunk's forward and backward are two kinds, told apart by
@@ -70,7 +70,7 @@ import collections
 import re
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from lingvo_gpipe.engine import stage
+from lingvo_gpipe.engine import scopes
 from lingvo_gpipe.planning import schedule
 from lingvo_gpipe.planning import simulate
 
@@ -106,7 +106,7 @@ _LOOP_RE = re.compile(
 # TensorFlow inlined it, or the body of a forward built inline.
 _LOOP_CALL_RE = re.compile(
     r'^(?:(?:Stateful)?PartitionedCall(?:_\d+)?|'
-    r'(?:(?:Stateful)?PartitionedCall(?:_\d+)?|' + stage.INLINE_FORWARD_SCOPE +
+    r'(?:(?:Stateful)?PartitionedCall(?:_\d+)?|' + scopes.INLINE_FORWARD_SCOPE +
     r')/(.+))$')
 # The loops of each executor ('<pass>_device<k>' or '<pass>_<i>').
 _PER_DEVICE_LOOP_RE = re.compile(r'(?:^|/)(?:forward|backward|step)_device\d+/')
