@@ -20,7 +20,7 @@ def testProfileCellsSizes():
              _FC('b', 16, 4, 'NONE').Instantiate()]
   sample = np.ones([8, 8], np.float32)
   profiles, outputs = profiling.ProfileCells(
-      cells, sample, batch_dim=0, micro_batch_sizes=[2, 8],
+      cells, sample, batch_dim=0, micro_batch_sizes=[4, 8],
       optimizer_fn=lambda: tf.compat.v1.train.AdamOptimizer(1e-3),
       num_warmup=1, num_runs=2)
   a, b = profiles
