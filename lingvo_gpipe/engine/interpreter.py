@@ -111,8 +111,7 @@ class Interpreter:
 
   def Own(self, k: int) -> List[int]:
     """The chunks device k runs."""
-    return [c for c in range(len(self.chunks))
-            if self.step.table.Device(c) == k]
+    return list(self.step.table.device_chunks[k])
 
   def DeviceName(self, k: int) -> str:
     """The device string of device k (that of its first chunk)."""

@@ -175,13 +175,15 @@ def _CheckLossOutputs(edges: Sequence[lowering.Edge],
         f'{outputs[0].Structure()}{" and skips" if len(outputs) > 1 else ""}.')
 
 
-def _CheckStateGradients(interp: interpreter_lib.Interpreter) -> None:
+def _CheckStateGradients(step: lowering.Step,
+                         chunks: Sequence[chunks_lib.Chunk],
+                         loss_inside: bool) -> None:
   """Raises if a state gradient would flow against the table's order."""
-  step = interp.step
-  if not step.training or interp.loss_inside:
+  if not step.training or loss_inside:
     return
-  for c, diff in enumerate(interp.diff_state):
-    if any(diff) and not lowering.BackwardReversesForward(step.table, c):
+  for c, chunk in enumerate(chunks):
+    if (any(stage_lib.IsDifferentiable(t) for t in chunk.state) and
+        not lowering.BackwardReversesForward(step.table, c)):
       raise ValueError(
           f'Chunk {c} carries a differentiable state from micro-batch to '
           f'micro-batch, whose gradient flows from micro-batch m + 1 back to '
@@ -235,8 +237,7 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
   """
   step = lowering.Lower(table, lowering.Edges(len(stages), skips), remat,
                         training)
-  devices = [stages[next(c for c in range(table.num_chunks)
-                         if table.Device(c) == k)].device
+  devices = [stages[table.device_chunks[k][0]].device
              for k in range(table.num_devices)]
   executor = ChooseExecutor(executor, step, devices)
   num_micro = table.num_micro_batches
@@ -260,8 +261,7 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
   sizes = ([len(c.theta) for c in chunks], [len(stacked)],
            [len(c.state) for c in chunks])
   output_edges = [e for e, edge in enumerate(step.edges) if edge.target is None]
-  _CheckStateGradients(interpreter_lib.Interpreter(
-      chunks, step, boundaries, stacked, first_id, loss_inside))
+  _CheckStateGradients(step, chunks, loss_inside)
 
   def NewExecutor(flat):
     """An executor over the weights and stacked inputs in `flat`."""

@@ -206,10 +206,8 @@ class Links:
 
   def ForwardOutput(self, interp, e: int, tensors: List[tf.Tensor], m,
                     unused_row, v, new) -> List[Any]:
-    if interp.edges[e].target is None:
-      new['data'][e] = [a.write(m, t) for a, t in zip(v['data'][e], tensors)]
-      return []
-    return [link.Send(t) for link, t in zip(self._links[e, 'data'], tensors)]
+    return self._Deliver('data', e, tensors, m,
+                         interp.edges[e].target is None, v, new)
 
   def OutputGradient(self, unused_interp, e: int, unused_row, unused_v
                     ) -> List[tf.Tensor]:
@@ -217,7 +215,15 @@ class Links:
 
   def InputGradient(self, interp, e: int, grads: List[tf.Tensor], m,
                     unused_row, v, new) -> List[Any]:
-    if interp.edges[e].source is None:
-      new['grad'][e] = [a.write(m, g) for a, g in zip(v['grad'][e], grads)]
+    return self._Deliver('grad', e, grads, m,
+                         interp.edges[e].source is None, v, new)
+
+  def _Deliver(self, kind: str, e: int, values: List[tf.Tensor], m,
+               leaves_pipeline: bool, v, new) -> List[Any]:
+    """Sends an edge's values over its links, or, where the edge leaves the
+    pipeline (the output's tensors, the input's gradients), writes them to
+    its buffer at micro-batch m; returns the Send ops."""
+    if leaves_pipeline:
+      new[kind][e] = [a.write(m, t) for a, t in zip(v[kind][e], values)]
       return []
-    return [link.Send(g) for link, g in zip(self._links[e, 'grad'], grads)]
+    return [link.Send(t) for link, t in zip(self._links[e, kind], values)]
