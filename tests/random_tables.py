@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from lingvo_gpipe.planning import schedule
 
 A = schedule.Action
-F, B = schedule.FORWARD, schedule.BACKWARD
+F, B, W = schedule.FORWARD, schedule.BACKWARD, schedule.WEIGHT
 
 
 def RandomPlacement(rng: random.Random, num_devices: int,
@@ -50,11 +50,14 @@ def Needs(action: schedule.Action, num_chunks: int, num_micro_batches: int,
   Returns:
     The forward of the previous chunk for a forward; for a backward, its own
     forward, the backward of the next chunk and, with the loss outside, the
-    forwards of the last chunk; each once.
+    forwards of the last chunk; each once; for a weight gradient, its own
+    backward.
   """
   phase, c, m = action
   if phase == F:
     return [A(F, c - 1, m)] if c else []
+  if phase == W:
+    return [A(B, c, m)]
   needs = [A(F, c, m)]
   if c + 1 < num_chunks:
     needs.append(A(B, c + 1, m))
@@ -68,11 +71,12 @@ def RandomTable(rng: random.Random,
                 num_micro_batches: int,
                 virtual_stages: int,
                 loss_outside: bool,
-                placement: Optional[Sequence[int]] = None) -> schedule.Table:
+                placement: Optional[Sequence[int]] = None,
+                split_backward: bool = False) -> schedule.Table:
   """A random valid table: a random order of the step's actions, placed.
 
   Draws a placement if none is given (`RandomPlacement`), then a random
-  topological order of all 2 C M actions under the dependencies of
+  topological order of all 2 C M (split: 3 C M) actions under the dependencies of
   `Needs` (Kahn's algorithm taking a random ready action each time), cuts
   it into per-device orders (each action to the device of its chunk) and
   places them with `schedule.TableFromOrders`.
@@ -91,6 +95,8 @@ def RandomTable(rng: random.Random,
     virtual_stages: v.
     loss_outside: See `schedule.Table`.
     placement: Per chunk, its device; None: a random one.
+    split_backward: Whether the table splits each backward into B and W
+      (a weight-gradient action per call, `schedule.Table.split_backward`).
 
   Returns:
     The validated table, named 'random'.
@@ -98,7 +104,8 @@ def RandomTable(rng: random.Random,
   num_chunks = num_devices * virtual_stages
   if placement is None:
     placement = RandomPlacement(rng, num_devices, virtual_stages)
-  actions = [A(phase, c, m) for phase in schedule.ACTION_PHASES
+  phases = (F, B, W) if split_backward else (F, B)
+  actions = [A(phase, c, m) for phase in phases
              for c in range(num_chunks) for m in range(num_micro_batches)]
   waiting: Dict[schedule.Action, int] = {}
   followers: Dict[schedule.Action, List[schedule.Action]] = {

@@ -8,7 +8,7 @@ import pytest
 from lingvo_gpipe.planning import schedule
 from lingvo_gpipe.planning import simulate
 
-F, B = schedule.FORWARD, schedule.BACKWARD
+F, B, W = schedule.FORWARD, schedule.BACKWARD, schedule.WEIGHT
 A = schedule.Action
 
 
@@ -310,15 +310,32 @@ def testChooseEngineErrors(engine, remat, schedule_name, message):
 
 
 def _InFlight(table, device):
-  """The most micro-batches (of any chunk) a device has begun, not ended."""
+  """The most micro-batches (of any chunk) a device has begun, not ended.
+
+  Ended: backward (input gradients) done; see `_WeightsWaiting` for what a
+  table that splits the backward keeps after that.
+  """
   live, most = set(), 0
   for action in table.device_orders[device]:
     key = (action.chunk, action.micro_batch)
     if action.phase == F:
       live.add(key)
       most = max(most, len(live))
-    else:
+    elif action.phase == B:
       live.remove(key)
+  return most
+
+
+def _WeightsWaiting(table, device):
+  """The most calls of a device whose backward ran and weight gradient not."""
+  waiting, most = set(), 0
+  for action in table.device_orders[device]:
+    key = (action.chunk, action.micro_batch)
+    if action.phase == B:
+      waiting.add(key)
+      most = max(most, len(waiting))
+    elif action.phase == W:
+      waiting.remove(key)
   return most
 
 
@@ -365,3 +382,153 @@ def testInterleavedOneFOneBNeedsKToDivideM():
                      r"schedule='1f1b' and virtual_stages=2 must be a "
                      'multiple of num_stages=2'):
     schedule.BuildTable('1f1b', 2, 3, 2)
+
+
+# Zero bubble: the backward split into B (input gradients) and W (weights).
+
+
+def _SplitTable(ticks, schedule_name='hand', num_micro=1):
+  return schedule.Table(
+      schedule=schedule_name, num_devices=2, num_micro_batches=num_micro,
+      virtual_stages=1, loss_outside=False,
+      ticks=tuple(tuple(t) for t in ticks))
+
+
+# K = 2, M = 1, the backward split: a valid table to break.
+_SPLIT = [[A(F, 0, 0), None], [None, A(F, 1, 0)], [None, A(B, 1, 0)],
+          [A(B, 0, 0), A(W, 1, 0)], [A(W, 0, 0), None]]
+
+
+def testWeightActions():
+  assert str(A(W, 0, 1)) == 'W0.1'
+  assert schedule.ACTION_PHASES == (F, B, W)
+  table = schedule.Validate(_SplitTable(_SPLIT))
+  assert table.split_backward
+  assert not schedule.BuildTable('1f1b', 2, 2).split_backward
+  assert str(table).splitlines()[1:] == [
+      'device 0: F0.0    -    - B0.0 W0.0',
+      'device 1:    - F1.0 B1.0 W1.0    -']
+  # Remat concerns the forward and backward pair: each device's B follows
+  # its F directly (idle ticks between do not count), the W after it does
+  # not matter.
+  assert schedule.RecomputedCalls(table, 'except_last') == {
+      (0, 0): False, (1, 0): False}
+
+
+@pytest.mark.parametrize('ticks,name,message', [
+    # One call without its W, in a table that splits the backward.
+    (_SPLIT[:4], 'hand', r"Action\(phase='weight', chunk=0, micro_batch=0\) "
+     'never runs; .* weight gradient once'),
+    # W before its B.
+    ([_SPLIT[0], _SPLIT[1], [None, A(W, 1, 0)], [None, A(B, 1, 0)],
+      [A(B, 0, 0), None], [A(W, 0, 0), None]], 'hand',
+     r"tick 2, device 1: .*'weight', chunk=1.* runs before .*'backward', "
+     'chunk=1'),
+    # W on the same tick as its B (another device may not run it either).
+    ([_SPLIT[0], _SPLIT[1], [A(W, 0, 0), A(B, 1, 0)], [A(B, 0, 0),
+                                                       A(W, 1, 0)]], 'hand',
+     "runs before"),
+    # W on another device than its chunk's.
+    ([*_SPLIT[:4], [None, A(W, 0, 0)]], 'hand',
+     'chunk 0 does not run on device 1'),
+    # W in the table of a schedule that does not split the backward.
+    (_SPLIT, '1f1b', "W1.0|weight-gradient action, but schedule '1f1b' does "
+     'not split the backward'),
+    # A schedule that splits it, without W.
+    ([_SPLIT[0], _SPLIT[1], [None, A(B, 1, 0)], [A(B, 0, 0), None]], 'zb1p',
+     "no weight-gradient action, but schedule 'zb1p' splits the backward"),
+])
+def testValidatorRulesOfWeightActions(ticks, name, message):
+  with pytest.raises(schedule.TableError, match=message):
+    schedule.Validate(_SplitTable(ticks, name))
+
+
+def testTableFromOrdersPlacesWeightActions():
+  orders = [[A(F, 0, 0), A(B, 0, 0), A(W, 0, 0)],
+            [A(F, 1, 0), A(B, 1, 0), A(W, 1, 0)]]
+  table = schedule.TableFromOrders('hand', 2, 1, 1, False, orders)
+  assert table.tick_of[A(W, 1, 0)] == 3 and table.tick_of[A(W, 0, 0)] == 4
+  with pytest.raises(schedule.TableError, match='deadlock'):
+    schedule.TableFromOrders('hand', 2, 1, 1, False,
+                             [[A(F, 0, 0), A(W, 0, 0), A(B, 0, 0)],
+                              orders[1]])
+
+
+def testZeroBubbleTablesPrint():
+  assert str(schedule.BuildTable('zb1p', 2, 4)) == (
+      'zb1p: K=2 v=1 M=4, 13 ticks\n'
+      'device 0: F0.0 F0.1    - B0.0 W0.0 F0.2 B0.1 W0.1 F0.3 B0.2 W0.2 '
+      'B0.3 W0.3\n'
+      'device 1:    - F1.0 B1.0 F1.1 B1.1 W1.0 F1.2 B1.2 W1.1 F1.3 B1.3 '
+      'W1.2 W1.3')
+  zbv = str(schedule.BuildTable('zbv', 2, 4, 2)).splitlines()
+  assert zbv[0] == 'zbv: K=2 v=2 M=4 placement=(0, 1, 1, 0), 25 ticks'
+
+
+@pytest.mark.parametrize('k', [1, 2, 3, 4])
+@pytest.mark.parametrize('m', range(1, 9))
+def testZB1PKeeps1F1BsInFlightCount(k, m):
+  """Valid for every K, M; 1F1B's F/B order and in-flight micro-batches."""
+  table = schedule.BuildTable('zb1p', k, m)
+  one_f_one_b = schedule.BuildTable('1f1b', k, m)
+  assert table.split_backward and not table.loss_outside
+  assert schedule.SCHEDULES['zb1p'].loss_inside
+  for d in range(k):
+    assert _InFlight(table, d) == _InFlight(one_f_one_b, d) == min(k - d, m)
+    # Device d defers at most d weight gradients beyond the running one.
+    assert _WeightsWaiting(table, d) <= min(d + 1, m)
+    # Forwards and backwards in 1F1B's order.
+    assert [a for a in table.device_orders[d] if a.phase != W] == list(
+        one_f_one_b.device_orders[d])
+
+
+@pytest.mark.parametrize('k', [1, 2, 3, 4])
+@pytest.mark.parametrize('m', range(1, 9))
+def testZBVIsAVWithBoundedMemory(k, m):
+  """Valid for every K, M; chunks c and 2K - 1 - c on device c."""
+  table = schedule.BuildTable('zbv', k, m, 2)
+  assert table.split_backward and table.num_chunks == 2 * k
+  assert table.placement == tuple(range(k)) + tuple(reversed(range(k)))
+  assert table.device_chunks == tuple((d, 2 * k - 1 - d) for d in range(k))
+  # Chunks are half a stage: every device holds at most 2K chunk calls'
+  # activations, 1F1B's K stage calls on device 0, whatever M (exactly that
+  # once M >= 2K - 1 fills the V). Weight gradients wait on the devices
+  # near the V's tip: up to 2K - 1 on device K - 1.
+  for d in range(k):
+    assert _InFlight(table, d) <= 2 * k
+    assert _InFlight(table, d) == 2 * k or m < 2 * k - 1
+    assert _WeightsWaiting(table, d) <= 2 * d + 1
+
+
+@pytest.mark.parametrize('name,v,message', [
+    ('zbv', 1, "virtual_stages=1 is not supported with schedule='zbv'"),
+    ('zbv', 3, "virtual_stages=3 is not supported with schedule='zbv'"),
+    ('zb1p', 2, "virtual_stages=2 is not supported with schedule='zb1p'"),
+    ('1f1b', 2, 'num_micro_batches=3 with schedule=.1f1b. and '
+     'virtual_stages=2'),
+    ('zbv', 0, 'virtual_stages=0 must be a positive int'),
+])
+def testScheduleSizeErrorsNameTheParameter(name, v, message):
+  with pytest.raises(ValueError, match=message):
+    schedule.CheckScheduleSizes(name, 2, 3, v)
+  with pytest.raises(ValueError, match=message):
+    schedule.BuildTable(name, 2, 3, v)
+
+
+def testCheckScheduleSizesAcceptsWhatBuilds():
+  assert schedule.CheckScheduleSizes('zbv', 2, 1, 2).split_backward
+  assert not schedule.CheckScheduleSizes('gpipe', 3, 5, 4).split_backward
+  with pytest.raises(ValueError, match="schedule='zb2p' is not supported"):
+    schedule.CheckScheduleSizes('zb2p', 2, 2)
+
+
+@pytest.mark.parametrize('name', ['zb1p', 'zbv'])
+def testZeroBubbleNeedsTheLoopEngine(name):
+  with pytest.raises(ValueError, match=f"schedule='{name}' is not supported "
+                     "with engine='unrolled'"):
+    schedule.CheckEngine('unrolled', 'always', name)
+  assert schedule.ChooseEngine('auto', 2, 4, 'never', schedule=name,
+                               virtual_stages=2 if name == 'zbv' else 1) == (
+                                   'loop')
+  with pytest.raises(schedule.TableError, match='mixes phases'):
+    schedule.BuildTable(name, 2, 4, 2 if name == 'zbv' else 1).PhaseRuns()

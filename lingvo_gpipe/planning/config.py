@@ -200,6 +200,10 @@ def CheckShape(cell_names: Sequence[str],
   if micro_batch_size is None:  # M is known: the table must exist.
     schedule.BuildTable(schedule_name, num_stages, num_micro_batches,
                         virtual_stages)
+  else:  # M is not known yet: the schedule's rules of v, with an M that
+    # every schedule runs (a multiple of K).
+    schedule.CheckScheduleSizes(schedule_name, num_stages, num_stages,
+                                virtual_stages)
   return Shape(num_stages, virtual_stages, counts)
 
 

@@ -19,11 +19,14 @@ simulator times it, the memory model walks it, the timeline draws it.
     >>> table.ticks[2]  # Device 0 idle, device 1's forward of micro-batch 1.
     (None, Action(phase='forward', chunk=1, micro_batch=1))
 
-(`F<chunk>.<micro-batch>` is a forward, `B...` a backward, `-` idle.) The
-rule of which calls re-materialize, the engines' names and 'auto' live here
-too, so that there is one definition of each.
+(`F<chunk>.<micro-batch>` is a forward, `B...` a backward, `-` idle.) A
+table may split each backward in two (`Table.split_backward`, zero bubble
+schedules): `B...` is then the input gradient, `W...` the weight gradient.
+The rule of which calls re-materialize, the engines' names and 'auto' live
+here too, so that there is one definition of each.
 """
 
+import collections
 import dataclasses
 import functools
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -35,12 +38,20 @@ REMAT_MODES = ('always', 'except_last', 'never')
 
 # The phases an `Action` of a table can have.
 FORWARD = 'forward'
-BACKWARD = 'backward'  # The whole backward of a call, recompute included.
-ACTION_PHASES = (FORWARD, BACKWARD)
+# The whole backward of a call, recompute included; in a table that splits
+# the backward (`Table.split_backward`), the gradients of the call's inputs
+# and state only (recompute included), on the critical path.
+BACKWARD = 'backward'
+# The gradients of the call's weights, in a table that splits the backward:
+# on the chunk's device, on a later tick than the call's BACKWARD, needed by
+# nobody but the optimizer. It never recomputes the forward.
+WEIGHT = 'weight'
+ACTION_PHASES = (FORWARD, BACKWARD, WEIGHT)
 
 # The phases of a stage call as they run and are timed (`simulate.Event`): a
-# backward action that re-materializes runs 'recompute', then 'backward'.
-PHASES = ('forward', 'recompute', 'backward')
+# backward action that re-materializes runs 'recompute', then 'backward'; a
+# weight action runs 'weight'.
+PHASES = ('forward', 'recompute', 'backward', 'weight')
 
 # The engines that build a step (see lingvo_gpipe.engine), and 'auto'.
 ENGINES = ('unrolled', 'loop')
@@ -122,6 +133,18 @@ class Table:
         for k in range(self.num_devices))
 
   @functools.cached_property
+  def split_backward(self) -> bool:
+    """Whether the table splits each backward into BACKWARD and WEIGHT.
+
+    It does iff it has a WEIGHT action; `Validate` then checks that every
+    call has exactly one, on its chunk's device, after its BACKWARD. Its
+    BACKWARD actions compute the gradients of the calls' inputs (and state)
+    only, its WEIGHT actions those of their weights.
+    """
+    return any(a is not None and a.phase == WEIGHT
+               for tick in self.ticks for a in tick)
+
+  @functools.cached_property
   def tick_of(self) -> Dict[Action, int]:
     """The tick of every action."""
     return {a: t for t, tick in enumerate(self.ticks) for a in tick if a}
@@ -182,17 +205,28 @@ def DefaultPlacement(num_devices: int,
 
 
 class _Index:
-  """Numbers the actions of a step 0 .. 2 C M - 1, for flat lists."""
+  """Numbers the actions of a step 0 .. P C M - 1, for flat lists.
 
-  def __init__(self, num_chunks: int, num_micro_batches: int):
+  P = 2 phases (forward, backward), or 3 if the step splits the backward
+  (weight too): ids phase by phase, chunk by chunk, micro-batch by
+  micro-batch.
+  """
+
+  def __init__(self, num_chunks: int, num_micro_batches: int,
+               split_backward: bool = False):
     self.num_chunks = num_chunks
     self.num_micro = num_micro_batches
-    self.size = 2 * num_chunks * num_micro_batches
+    self.per_phase = num_chunks * num_micro_batches
+    self.size = (3 if split_backward else 2) * self.per_phase
 
   def Id(self, action: Action) -> int:
-    phase = 0 if action.phase == FORWARD else 1
+    phase = ACTION_PHASES.index(action.phase)
     return (phase * self.num_chunks + action.chunk) * self.num_micro + (
         action.micro_batch)
+
+  def IsBackward(self, i: int) -> bool:
+    """Whether id i is a BACKWARD action."""
+    return self.per_phase <= i < 2 * self.per_phase
 
   def Action(self, i: int) -> Action:
     rest, m = divmod(i, self.num_micro)
@@ -201,11 +235,11 @@ class _Index:
 
   def Dependencies(self, i: int) -> List[int]:
     """The actions action `i` needs on an earlier tick (loss excluded)."""
-    per_phase = self.num_chunks * self.num_micro
+    per_phase = self.per_phase
     if i < per_phase:  # Forward of (c, m): the previous chunk's forward.
       return [i - self.num_micro] if i >= self.num_micro else []
-    deps = [i - per_phase]  # Its own forward.
-    if i + self.num_micro < 2 * per_phase:  # Not the last chunk.
+    deps = [i - per_phase]  # Its own forward (weight: its own backward).
+    if i + self.num_micro < 2 * per_phase:  # A backward, not the last chunk.
       deps.append(i + self.num_micro)
     return deps
 
@@ -244,7 +278,11 @@ def Validate(table: Table) -> Table:
   tick than the previous chunk's forward of m; its backward on a later tick
   than the next chunk's backward of m and than its own forward; with the
   loss outside the pipeline, no backward before every forward of the last
-  chunk has run.
+  chunk has run. A table that has a WEIGHT action splits the backward
+  (`Table.split_backward`): then each (chunk, micro-batch) also runs its
+  weight gradient once, on a later tick than its backward (on its chunk's
+  device, as every action); a table of a named schedule (`SCHEDULES`) splits
+  the backward iff the schedule does.
 
   Args:
     table: The table.
@@ -262,12 +300,27 @@ def Validate(table: Table) -> Table:
   checks.CheckPositiveInt('num_micro_batches', num_micro)
   num_chunks = table.num_chunks
   _CheckPlacement(table.placement, k_devices, num_chunks)
-  index = _Index(num_chunks, num_micro)
-  tick_of, device_of = [-1] * index.size, [-1] * index.size
   for t, tick in enumerate(table.ticks):
     if len(tick) != k_devices:
       raise TableError(f'tick {t} has {len(tick)} entries, expected one per '
                        f'device ({k_devices}).')
+  split = any(isinstance(a, Action) and a.phase == WEIGHT
+              for tick in table.ticks for a in tick)
+  named = SCHEDULES.get(table.schedule)
+  if named is not None and named.split_backward != split:
+    if split:
+      first = next(a for tick in table.ticks for a in tick
+                   if isinstance(a, Action) and a.phase == WEIGHT)
+      raise TableError(
+          f'{table.schedule} table: {first!r} is a weight-gradient action, '
+          f'but schedule {table.schedule!r} does not split the backward '
+          '(its BACKWARD actions compute the weight gradients too).')
+    raise TableError(
+        f'{table.schedule} table has no weight-gradient action, but schedule '
+        f'{table.schedule!r} splits the backward: every call runs W once.')
+  index = _Index(num_chunks, num_micro, split)
+  tick_of, device_of = [-1] * index.size, [-1] * index.size
+  for t, tick in enumerate(table.ticks):
     for k, action in enumerate(tick):
       if action is None:
         continue
@@ -291,10 +344,12 @@ def Validate(table: Table) -> Table:
                          f'(first at tick {tick_of[i]}).')
       tick_of[i], device_of[i] = t, k
   if -1 in tick_of:
-    raise TableError(f'{index.Action(tick_of.index(-1))!r} never runs; every '
-                     'chunk runs forward and backward once per micro-batch.')
+    raise TableError(
+        f'{index.Action(tick_of.index(-1))!r} never runs; every chunk runs '
+        'forward and backward once per micro-batch' +
+        (', and, as the table splits the backward (it has a W action), its '
+         'weight gradient once.' if split else '.'))
   last_forward = max(tick_of[i] for i in index.LastChunkForwards())
-  first_backward = index.size // 2
   for t, i in sorted((t, i) for i, t in enumerate(tick_of)):
     for dep in index.Dependencies(i):
       if tick_of[dep] >= t:
@@ -302,7 +357,7 @@ def Validate(table: Table) -> Table:
             f'tick {t}, device {device_of[i]}: {index.Action(i)!r} runs '
             f'before {index.Action(dep)!r} (tick {tick_of[dep]}), which it '
             'needs.')
-    if table.loss_outside and i >= first_backward and t <= last_forward:
+    if table.loss_outside and index.IsBackward(i) and t <= last_forward:
       raise TableError(
           f'tick {t}, device {device_of[i]}: {index.Action(i)!r} runs before '
           f'the last forward of the last chunk (tick {last_forward}); with '
@@ -353,7 +408,8 @@ def TableFromOrders(schedule: str, num_devices: int, num_micro_batches: int,
       device runs later) or break a rule of `Validate`.
   """
   num_chunks = num_devices * virtual_stages
-  index = _Index(num_chunks, num_micro_batches)
+  split = any(a.phase == WEIGHT for order in orders for a in order)
+  index = _Index(num_chunks, num_micro_batches, split)
   # Kahn's algorithm over action ids; id `loss` stands for the loss, which
   # needs every forward of the last chunk and which every backward needs.
   loss = index.size
@@ -365,7 +421,7 @@ def TableFromOrders(schedule: str, num_devices: int, num_micro_batches: int,
       preds = index.Dependencies(i)
       if position:
         preds.append(order[position - 1])
-      if loss_outside and i >= index.size // 2:
+      if loss_outside and index.IsBackward(i):
         preds.append(loss)
       needs[i] += len(preds)
       for pred in preds:
@@ -541,18 +597,272 @@ def OneFOneBTable(num_devices: int, num_micro_batches: int,
     ValueError: if K, M or v is not a positive int, or v > 1 and K does not
       divide M.
   """
+  _Check1F1BSizes(num_devices, num_micro_batches, virtual_stages)
+  return TableFromOrders(
+      '1f1b', num_devices=num_devices, num_micro_batches=num_micro_batches,
+      virtual_stages=virtual_stages, loss_outside=False,
+      orders=_OneFOneBOrders(num_devices, num_micro_batches, virtual_stages))
+
+
+def _CheckSizes(num_devices: int, num_micro_batches: int,
+                virtual_stages: int) -> None:
+  """ValueError naming the first of K, M, v that is not a positive int."""
   checks.CheckPositiveInt('num_devices', num_devices)
   checks.CheckPositiveInt('num_micro_batches', num_micro_batches)
   checks.CheckPositiveInt('virtual_stages', virtual_stages)
+
+
+def _CheckGPipeSizes(num_devices: int, num_micro_batches: int,
+                     virtual_stages: int) -> None:
+  """GPipe runs any positive K, M and v."""
+  _CheckSizes(num_devices, num_micro_batches, virtual_stages)
+
+
+def _Check1F1BSizes(num_devices: int, num_micro_batches: int,
+                    virtual_stages: int) -> None:
+  """1F1B runs any positive K, M with v = 1; with v > 1, K must divide M."""
+  _CheckSizes(num_devices, num_micro_batches, virtual_stages)
   if virtual_stages > 1 and num_micro_batches % num_devices:
     raise ValueError(
         f'num_micro_batches={num_micro_batches} with schedule=\'1f1b\' and '
         f'virtual_stages={virtual_stages} must be a multiple of num_stages='
         f'{num_devices} (interleaved 1F1B runs groups of K micro-batches).')
+
+
+def _CheckZB1PSizes(num_devices: int, num_micro_batches: int,
+                    virtual_stages: int) -> None:
+  """ZB-H1 runs any positive K and M, with v = 1 (not interleaved)."""
+  _CheckSizes(num_devices, num_micro_batches, virtual_stages)
+  if virtual_stages != 1:
+    raise ValueError(
+        f"virtual_stages={virtual_stages} is not supported with schedule="
+        "'zb1p' (ZB-H1 runs one chunk per device); use virtual_stages=1, or "
+        "schedule='zbv' for two chunks per device.")
+
+
+def _CheckZBVSizes(num_devices: int, num_micro_batches: int,
+                   virtual_stages: int) -> None:
+  """ZB-V runs any positive K and M, with exactly v = 2 (the V)."""
+  _CheckSizes(num_devices, num_micro_batches, virtual_stages)
+  if virtual_stages != 2:
+    raise ValueError(
+        f"virtual_stages={virtual_stages} is not supported with schedule="
+        "'zbv', whose two chunks per device form a V (chunk c on device c "
+        "and chunk 2K - 1 - c on device c); use virtual_stages=2.")
+
+
+def VPlacement(num_devices: int) -> Tuple[int, ...]:
+  """The V of 2K chunks: chunk c on device c for c < K, else 2K - 1 - c.
+
+      >>> VPlacement(3)
+      (0, 1, 2, 2, 1, 0)
+  """
+  return tuple(range(num_devices)) + tuple(reversed(range(num_devices)))
+
+
+def _WeightDeferrer(order: List[Action], deferred: int):
+  """A function that appends a backward, then the oldest waiting weight.
+
+  The weight gradient of a backward waits until more than `deferred`
+  backwards of the device are waiting for theirs; the order's end runs the
+  rest (`Flush`).
+
+  Args:
+    order: The device's order, appended to.
+    deferred: How many weight gradients may wait at most after a backward.
+
+  Returns:
+    (Backward(chunk, m), Flush()): functions that append to `order`.
+  """
+  waiting = collections.deque()
+
+  def Backward(chunk: int, micro_batch: int) -> None:
+    order.append(Action(BACKWARD, chunk, micro_batch))
+    waiting.append((chunk, micro_batch))
+    if len(waiting) > deferred:
+      order.append(Action(WEIGHT, *waiting.popleft()))
+
+  def Flush() -> None:
+    while waiting:
+      order.append(Action(WEIGHT, *waiting.popleft()))
+
+  return Backward, Flush
+
+
+def _ZB1POrders(num_devices: int,
+                num_micro_batches: int) -> List[List[Action]]:
+  """Each device's actions in ZB-H1 order (Qi et al. 2024, section 3.1).
+
+  The forwards and backwards (input gradients) of 1F1B, in its order:
+  device k runs min(K - k - 1, M) warm-up forwards, then alternates one
+  forward and one backward, then runs the remaining backwards. Each backward
+  is followed by the weight gradient of the device's oldest backward still
+  waiting for it, once more than k wait: device k defers k weight gradients,
+  which fill the bubbles of its drain, where 1F1B idles waiting for the
+  backwards of the later devices; the last k run at the end. Device k holds
+  the activations of at most K - k micro-batches (as with 1F1B) and the
+  weight-gradient stashes of at most k + 1.
+
+  Args:
+    num_devices: K.
+    num_micro_batches: M.
+
+  Returns:
+    Per device, its actions in order.
+  """
+  orders = []
+  for k in range(num_devices):
+    warmup = min(num_devices - k - 1, num_micro_batches)
+    order = [Action(FORWARD, k, m) for m in range(warmup)]
+    backward, flush = _WeightDeferrer(order, k)
+    for m in range(num_micro_batches - warmup):
+      order.append(Action(FORWARD, k, warmup + m))
+      backward(k, m)
+    for m in range(num_micro_batches - warmup, num_micro_batches):
+      backward(k, m)
+    flush()
+    orders.append(order)
+  return orders
+
+
+def ZB1PTable(num_devices: int, num_micro_batches: int,
+              virtual_stages: int = 1) -> Table:
+  """ZB-H1: 1F1B with the backward split and the weight gradients deferred.
+
+  The loss is inside the pipeline. Each backward computes the input
+  gradients only (B); the weight gradients (W) run later on the same device
+  (`_ZB1POrders`), in what 1F1B leaves idle. With F = B = W the bubble falls
+  from 1F1B's (K - 1) / (M + K - 1) to about a third of it, at 1F1B's
+  activation memory. Any K, M >= 1:
+
+      >>> print(ZB1PTable(2, 3))
+      zb1p: K=2 v=1 M=3, 10 ticks
+      device 0: F0.0 F0.1    - B0.0 W0.0 F0.2 B0.1 W0.1 B0.2 W0.2
+      device 1:    - F1.0 B1.0 F1.1 B1.1 W1.0 F1.2 B1.2 W1.1 W1.2
+
+  Args:
+    num_devices: K.
+    num_micro_batches: M.
+    virtual_stages: v; must be 1.
+
+  Returns:
+    The validated table.
+
+  Raises:
+    ValueError: if K, M or v is not a positive int, or v != 1.
+  """
+  _CheckZB1PSizes(num_devices, num_micro_batches, virtual_stages)
   return TableFromOrders(
-      '1f1b', num_devices=num_devices, num_micro_batches=num_micro_batches,
-      virtual_stages=virtual_stages, loss_outside=False,
-      orders=_OneFOneBOrders(num_devices, num_micro_batches, virtual_stages))
+      'zb1p', num_devices=num_devices, num_micro_batches=num_micro_batches,
+      virtual_stages=1, loss_outside=False,
+      orders=_ZB1POrders(num_devices, num_micro_batches))
+
+
+def _ZBVOrders(num_devices: int,
+               num_micro_batches: int) -> List[List[Action]]:
+  """Each device's actions in ZB-V order (Qi et al. 2024, section 6).
+
+  Device k runs chunk a = k (down the V) and chunk b = 2K - 1 - k (back up).
+  The order is built for n = max(M, 2K - 1) micro-batches, so that the
+  pipeline fills, and the actions of micro-batches M .. n - 1 are dropped
+  (each depends only on actions of its own micro-batch, so what is left
+  cannot deadlock either):
+
+  * warm-up: 2 (K - k) - 1 forwards of a; k times a forward of b, then one
+    of a; K - k times a forward of b, its backward and its weight gradient;
+  * steady: while a has forwards left or b has fewer forwards than a: a
+    forward of a (if left), a's next backward and weight gradient, then a
+    forward of b, its backward and weight gradient;
+  * drain: k times the next backwards of a and b; K - k times a backward of
+    a and a's oldest waiting weight gradient; then b's and a's remaining
+    weight gradients, which fill the drain's bubbles.
+
+  Args:
+    num_devices: K.
+    num_micro_batches: M.
+
+  Returns:
+    Per device, its actions in order.
+  """
+  k_devices = num_devices
+  n = max(num_micro_batches, 2 * k_devices - 1)
+  orders = []
+  for k in range(k_devices):
+    a, b = k, 2 * k_devices - 1 - k
+    order = []
+    count = {(phase, c): 0 for phase in ACTION_PHASES for c in (a, b)}
+
+    def Run(phase, chunk, order=order, count=count):
+      order.append(Action(phase, chunk, count[phase, chunk]))
+      count[phase, chunk] += 1
+
+    for _ in range(2 * (k_devices - k) - 1):
+      Run(FORWARD, a)
+    for _ in range(k):
+      Run(FORWARD, b)
+      Run(FORWARD, a)
+    for _ in range(k_devices - k):
+      Run(FORWARD, b)
+      Run(BACKWARD, b)
+      Run(WEIGHT, b)
+    while count[FORWARD, a] < n or count[FORWARD, b] < count[FORWARD, a]:
+      if count[FORWARD, a] < n:
+        Run(FORWARD, a)
+      Run(BACKWARD, a)
+      Run(WEIGHT, a)
+      Run(FORWARD, b)
+      Run(BACKWARD, b)
+      Run(WEIGHT, b)
+    for _ in range(k):
+      Run(BACKWARD, a)
+      Run(BACKWARD, b)
+    for _ in range(k_devices - k):
+      Run(BACKWARD, a)
+      Run(WEIGHT, a)
+    for chunk in (b, a):
+      while count[WEIGHT, chunk] < count[BACKWARD, chunk]:
+        Run(WEIGHT, chunk)
+    assert all(count[phase, c] == n for phase in ACTION_PHASES
+               for c in (a, b)), count
+    orders.append([x for x in order if x.micro_batch < num_micro_batches])
+  return orders
+
+
+def ZBVTable(num_devices: int, num_micro_batches: int,
+             virtual_stages: int = 2) -> Table:
+  """ZB-V: two chunks per device in a V, the backward split.
+
+  The cells are cut into 2K chunks, chunk c on device c for c < K and on
+  device 2K - 1 - c otherwise (`VPlacement`): the first and the last chunk
+  share device 0, where the loss's gradient turns around at once. The loss
+  is inside the pipeline. Each backward computes the input gradients (B),
+  the weight gradients (W) run later on the same device (`_ZBVOrders`).
+  With F = B = W and M >= 2K - 1 the bubble is close to none, at 1F1B's
+  activation memory (2K chunk calls of half a stage each on device 0). Any
+  K, M >= 1:
+
+      >>> print(ZBVTable(2, 2))
+      zbv: K=2 v=2 M=2 placement=(0, 1, 1, 0), 14 ticks
+      device 0: F0.0 F0.1    - F3.0 B3.0 W3.0 F3.1 B3.1 W3.1 B0.0 W0.0    - B0.1 W0.1
+      device 1:    - F1.0 F2.0 F1.1 F2.1 B2.0 W2.0 B1.0 W1.0 B2.1 W2.1 B1.1 W1.1    -
+
+  Args:
+    num_devices: K.
+    num_micro_batches: M.
+    virtual_stages: v; must be 2.
+
+  Returns:
+    The validated table.
+
+  Raises:
+    ValueError: if K, M or v is not a positive int, or v != 2.
+  """
+  _CheckZBVSizes(num_devices, num_micro_batches, virtual_stages)
+  return TableFromOrders(
+      'zbv', num_devices=num_devices, num_micro_batches=num_micro_batches,
+      virtual_stages=2, loss_outside=False,
+      orders=_ZBVOrders(num_devices, num_micro_batches),
+      placement=VPlacement(num_devices))
 
 
 class Schedule(NamedTuple):
@@ -560,6 +870,10 @@ class Schedule(NamedTuple):
   build: Callable[[int, int, int], Table]  # (K, M, v) -> Table.
   loss_inside: bool  # Whether the last cell computes the loss.
   doc: str
+  # Raises ValueError naming the parameter unless (K, M, v) can be built.
+  check_sizes: Callable[[int, int, int], None] = _CheckGPipeSizes
+  # Whether its tables split the backward (`Table.split_backward`).
+  split_backward: bool = False
 
 
 # The schedules by the name users give (`GPipeSequentialLayer.schedule`).
@@ -570,7 +884,17 @@ SCHEDULES: Dict[str, Schedule] = {
     '1f1b': Schedule(
         OneFOneBTable, True,
         'the loss in the last cell; each backward as soon as its forward '
-        'ends; interleaved when v > 1'),
+        'ends; interleaved when v > 1', _Check1F1BSizes),
+    'zb1p': Schedule(
+        ZB1PTable, True,
+        "ZB-H1: 1F1B's order with the backward split into input and weight "
+        'gradients, the weight gradients deferred into the bubbles; v = 1',
+        _CheckZB1PSizes, split_backward=True),
+    'zbv': Schedule(
+        ZBVTable, True,
+        'ZB-V: two chunks per device in a V, the backward split, the weight '
+        'gradients in the bubbles; v = 2', _CheckZBVSizes,
+        split_backward=True),
 }
 
 
@@ -580,6 +904,38 @@ def CheckSchedule(schedule: str) -> Schedule:
     raise ValueError(f'schedule={schedule!r} is not supported; use one of '
                      f'{list(SCHEDULES)}.')
   return SCHEDULES[schedule]
+
+
+def CheckScheduleSizes(schedule: str, num_stages: int,
+                       num_micro_batches: int,
+                       virtual_stages: int = 1) -> Schedule:
+  """Checks that a schedule can run K stages, M micro-batches, v chunks.
+
+  For the front ends, before any graph is built: 'zb1p' runs v = 1 only,
+  'zbv' v = 2 only, interleaved '1f1b' (v > 1) needs K to divide M; every
+  schedule runs any positive K and M otherwise.
+
+      >>> CheckScheduleSizes('zbv', num_stages=2, num_micro_batches=3)
+      Traceback (most recent call last):
+      ...
+      ValueError: virtual_stages=1 is not supported with schedule='zbv', ...
+
+  Args:
+    schedule: A key of `SCHEDULES`.
+    num_stages: K, devices.
+    num_micro_batches: M.
+    virtual_stages: v.
+
+  Returns:
+    The `Schedule`.
+
+  Raises:
+    ValueError: naming the parameter (schedule, num_devices,
+      num_micro_batches or virtual_stages) that it cannot run.
+  """
+  named = CheckSchedule(schedule)
+  named.check_sizes(num_stages, num_micro_batches, virtual_stages)
+  return named
 
 
 def BuildTable(schedule: str, num_devices: int, num_micro_batches: int,
