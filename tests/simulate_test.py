@@ -351,3 +351,132 @@ def testStageOccupancy():
     simulate.StageOccupancy(events, 1)
   with pytest.raises(ValueError, match='events is empty'):
     simulate.StageOccupancy([], 1)
+
+
+# Tables that split the backward (zero bubble): B and W timed and held apart.
+
+
+def _ZeroBubble(name, k, m, remat='never', **kwargs):
+  """A zero bubble step with F = B = W = 1 a stage (a chunk of zbv: 1/2)."""
+  v = 2 if name == 'zbv' else 1
+  table = schedule.BuildTable(name, k, m, v)
+  unit = 1.0 / v
+  return simulate.Simulate(table, [unit] * (k * v), [2 * unit] * (k * v),
+                           remat, weight_costs=[unit] * (k * v), **kwargs)
+
+
+def testZeroBubbleStepsAgainst1F1BWithUnitCosts():
+  """K = 2, M = 4, F = B = W: 1F1B 15, ZB-H1 13 (the paper's), ZB-V 12.5.
+
+  1F1B: (M + K - 1)(F + B + W) = 15. ZB-H1: every device works 3M = 12;
+  device 0 idles one tick (F + B - W) waiting for the first backward, and
+  its deferred weight gradients fill the drain: 13. ZB-V (chunks of half a
+  stage): 12 of work on every device plus the ramp, device 1's first
+  forward waits for device 0's: 12.5, against the ideal 12 (0.80 of 1F1B).
+  """
+  one_f_one_b = simulate.Simulate(schedule.BuildTable('1f1b', 2, 4),
+                                  [1.0] * 2, [2.0] * 2, 'never')
+  assert one_f_one_b.step_time == 15.0
+  assert _ZeroBubble('zb1p', 2, 4).step_time == 13.0
+  assert _ZeroBubble('zbv', 2, 4).step_time == 12.5
+
+
+@pytest.mark.parametrize('k', [1, 2, 3, 4])
+@pytest.mark.parametrize('m', range(1, 9))
+def testZeroBubbleStepsByFormula(k, m):
+  """ZB-H1: 3M + (K - 1)(F + B - W) once M >= K, the paper's bubble.
+
+  ZB-V: 3M + (K - 1) chunk forwards (the ramp) once M >= 2K - 1 fills the
+  V; never longer than ZB-H1 and 1F1B.
+  """
+  zb1p, zbv = _ZeroBubble('zb1p', k, m), _ZeroBubble('zbv', k, m)
+  one_f_one_b = simulate.Simulate(schedule.BuildTable('1f1b', k, m),
+                                  [1.0] * k, [2.0] * k, 'never')
+  assert zb1p.step_time <= one_f_one_b.step_time
+  if m >= k:
+    assert zb1p.step_time == 3 * m + k - 1
+  if m >= 2 * k - 1:
+    assert zbv.step_time == 3 * m + (k - 1) / 2
+  assert zbv.step_time <= zb1p.step_time
+
+
+def testWeightEventsAreTimedFromTheirOwnCosts():
+  """B takes backward - weight, W takes weight, after its B, on its device."""
+  table = schedule.BuildTable('zb1p', 2, 2)
+  sim = simulate.Simulate(table, [1.0, 1.0], [3.0, 3.0], 'always',
+                          weight_costs=[1.0, 2.0])
+  by = {(e.phase, e.chunk, e.micro_batch): e for e in sim.events}
+  for c, weight in enumerate([1.0, 2.0]):
+    for m in range(2):
+      w, b = by['weight', c, m], by['backward', c, m]
+      assert w.end - w.start == weight and b.end - b.start == 3.0 - weight
+      assert w.start >= b.end and w.stage == b.stage == c
+      # remat 'always': the recompute belongs to B, never to W.
+      assert by['recompute', c, m].end == b.start
+  assert sum(e.end - e.start for e in sim.events if e.phase == 'weight') == 6
+  lockstep = simulate.Simulate(table, [1.0, 1.0], [3.0, 3.0], 'never',
+                               weight_costs=[1.0, 2.0], lockstep=True)
+  # Lockstep: each tick lasts as long as its longest action.
+  cost = {schedule.FORWARD: [1.0, 1.0], schedule.BACKWARD: [2.0, 1.0],
+          schedule.WEIGHT: [1.0, 2.0]}
+  assert lockstep.step_time == sum(
+      max(cost[a.phase][a.chunk] for a in tick if a) for tick in table.ticks)
+  assert {e.phase for e in lockstep.events} == {'forward', 'backward',
+                                                'weight'}
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    ({}, 'weight_costs is required: the zb1p table splits the backward'),
+    ({'weight_costs': [1.0, 3.0]}, r'weight_costs\[1\]=3.0 is above '
+     r'backward_costs\[1\]=2.0'),
+    ({'weight_costs': [1.0]}, 'weight_costs has 1 entries'),
+    ({'weight_costs': [1.0, 1.0], 'weight_memory': [-1.0, 0.0]},
+     r'weight_memory\[0\]=-1.0 must be a finite number >= 0'),
+])
+def testSimulateRejectsBadWeightArguments(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    simulate.Simulate(schedule.BuildTable('zb1p', 2, 2), [1.0, 1.0],
+                      [2.0, 2.0], **kwargs)
+
+
+def testWeightCostsAreIgnoredByTablesThatDoNotSplit():
+  table = schedule.BuildTable('1f1b', 2, 2)
+  assert simulate.Simulate(table, [1.0] * 2, [2.0] * 2,
+                           weight_costs=[1.0] * 2).step_time == (
+                               simulate.Simulate(table, [1.0] * 2,
+                                                 [2.0] * 2).step_time)
+
+
+def testMemoryWalkHoldsTheWeightStashFromBToW():
+  """zb1p K=2 M=4, remat 'never', activations 1, W stash 0.5.
+
+  Device 0 (F0.0 F0.1 B0.0 W0.0 F0.2 B0.1 W0.1 ...) holds 1F1B's two calls'
+  activations at most; its stash never meets two activations. Device 1
+  (F1.0 B1.0 F1.1 B1.1 W1.0 ...) defers one W: after F1.1 it holds one
+  call's activations and one stash, 1.5, where 1F1B holds 1.
+  """
+  sim = _ZeroBubble('zb1p', 2, 4, weight_memory=[0.5, 0.5])
+  assert sim.peak_memory == [2.0, 1.5]
+  assert sim.peak_weight_stash == [0.0, 0.5]
+  assert sim.peak_weights_waiting == [0, 1]
+  assert sim.peak_activations == [2, 1]
+  # Without a stash size, the split holds what 1F1B holds.
+  assert _ZeroBubble('zb1p', 2, 4).peak_memory == [2.0, 1.0]
+
+
+def testWeightGradientsAppearAtW():
+  """K = M = 1: F B W. Gradients 10, activations 1, W stash 0.5, workspace 2.
+
+  Split: B holds the activations and its workspace (3), then the stash
+  alone; W adds the gradient sum: 10.5. Unsplit (1F1B), the backward holds
+  activations, workspace and gradients at once: 13.
+  """
+  memory = {'activation_memory': [1.0], 'gradient_memory': [10.0],
+            'backward_memory': [2.0]}
+  split = _ZeroBubble('zb1p', 1, 1, weight_memory=[0.5], **memory)
+  assert split.peak_memory == [10.5]
+  assert split.peak_gradients == [10.0] and split.peak_weight_stash == [0.5]
+  assert split.peak_backward_chunk == [None]
+  whole = simulate.Simulate(schedule.BuildTable('1f1b', 1, 1), [1.0], [2.0],
+                            'never', **memory)
+  assert whole.peak_memory == [13.0] and whole.peak_backward_chunk == [0]

@@ -1,7 +1,8 @@
 """Times and sizes a training step from per-chunk costs, without running it.
 
 Pure Python. `Simulate` replays a schedule table (`schedule.Table`) with given
-forward and backward costs per chunk and returns when every call phase runs,
+forward and backward costs per chunk (and the weight-gradient part of the
+backward, for tables that split it) and returns when every call phase runs,
 the bubble, and what each device holds at its peak; `StageOccupancy` reads
 the same numbers (step time, bubble, utilization) off simulated or measured
 events.
@@ -42,7 +43,7 @@ class Simulation:
 
   Attributes:
     table: The schedule table simulated.
-    step_time: From the first forward's start (0) to the last backward's end.
+    step_time: From the first forward's start (0) to the last action's end.
     forward_time: When the last forward ends.
     bubble_fraction: Idle device-time / total device-time, i.e.
       1 - sum(busy) / (K * step_time).
@@ -58,7 +59,12 @@ class Simulation:
       that peak (0 unless `input_memory` is given).
     peak_backward_chunk: Per device, the chunk whose backward runs at that
       peak (its `backward_memory` is in the peak), or None if a forward
-      makes it.
+      or a weight gradient makes it.
+    peak_weight_stash: Per device, the size of the weight-gradient stashes
+      (`weight_memory`) it holds at that peak: calls whose backward ran and
+      whose weight gradient has not ended (0 unless the table splits the
+      backward).
+    peak_weights_waiting: Per device, how many such calls it holds then.
     events: Every phase of every call, by device, then by start.
     recomputes: {(chunk, micro_batch): whether its backward recomputes}.
   """
@@ -76,6 +82,8 @@ class Simulation:
   peak_input_memory: List[float] = dataclasses.field(default_factory=list)
   peak_backward_chunk: List[Optional[int]] = dataclasses.field(
       default_factory=list)
+  peak_weight_stash: List[float] = dataclasses.field(default_factory=list)
+  peak_weights_waiting: List[int] = dataclasses.field(default_factory=list)
 
 
 class _Peak(NamedTuple):
@@ -85,6 +93,8 @@ class _Peak(NamedTuple):
   activations: int
   gradients: float
   input_memory: float
+  weights_waiting: int
+  weight_stash: float
   backward_chunk: Optional[int]
 
 
@@ -148,7 +158,8 @@ def _CheckCosts(name: str, values: Sequence[float],
 def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
            inputs: Sequence[float], activations: Sequence[float],
            gradients: Sequence[float],
-           backward_memory: Sequence[float]) -> List[_Peak]:
+           backward_memory: Sequence[float],
+           weight_memory: Sequence[float]) -> List[_Peak]:
   """Per device, what it holds at its peak.
 
   Walks each device's actions in table order (see `Simulate` for the model).
@@ -160,17 +171,20 @@ def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
     activations: Per chunk, the size of one call's full activations.
     gradients: Per chunk, the size of its weight gradients.
     backward_memory: Per chunk, what its backward holds only while it runs.
+    weight_memory: Per chunk, what a call holds from its backward to its
+      weight gradient, in a table that splits the backward.
 
   Returns:
     One `_Peak` per device; of equal peaks, the one that holds the most
     inputs, then activations.
   """
+  split = table.split_backward
   peaks = []
   for order in table.device_orders:
-    held_inputs = held_activations = 0
-    size = held_gradients = input_size = 0.0
+    held_inputs = held_activations = waiting = 0
+    size = held_gradients = input_size = stash = 0.0
     summed = set()  # Chunks whose gradient sum exists.
-    peak = _Peak(0.0, 0, 0, 0.0, 0.0, None)
+    peak = _Peak(0.0, 0, 0, 0.0, 0.0, 0, 0.0, None)
     for phase, c, m in order:
       kept = not recomputes[c, m]
       if phase == schedule.FORWARD:
@@ -180,30 +194,47 @@ def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
         # Running, the call holds its activations; a kept call keeps them.
         candidate = _Peak(size + activations[c], held_inputs,
                           held_activations + 1, held_gradients, input_size,
-                          None)
+                          waiting, stash, None)
         if kept:
           held_activations += 1
           size += activations[c]
-      else:
-        running = 0 if kept else 1
-        # The call's weight gradients; from the chunk's second backward on,
-        # next to the sum of the earlier ones.
+        if candidate[:-1] > peak[:-1]:
+          peak = candidate
+        continue
+      # The call's weight gradients, made by its backward or, when the table
+      # splits it, by its weight action; from the chunk's second call on,
+      # next to the sum of the earlier ones.
+      fresh = 0.0
+      if phase == schedule.WEIGHT or not split:
         fresh = gradients[c]
         if c not in summed:
           summed.add(c)
           held_gradients += gradients[c]
           size += gradients[c]
           fresh = 0.0
+      if phase == schedule.WEIGHT:
+        candidate = _Peak(size + fresh, held_inputs, held_activations,
+                          held_gradients + fresh, input_size, waiting, stash,
+                          None)
+        waiting -= 1
+        stash -= weight_memory[c]
+        size -= weight_memory[c]
+      else:
+        running = 0 if kept else 1
         candidate = _Peak(
             size + running * activations[c] + fresh + backward_memory[c],
             held_inputs, held_activations + running, held_gradients + fresh,
-            input_size, c)
+            input_size, waiting, stash, c)
         held_inputs -= 1
         size -= inputs[c]
         input_size -= inputs[c]
         if kept:
           held_activations -= 1
           size -= activations[c]
+        if split:  # What the weight gradient needs, until it runs.
+          waiting += 1
+          stash += weight_memory[c]
+          size += weight_memory[c]
       # Of equal peaks, the one holding the most (every field but the
       # running chunk, which has no order).
       if candidate[:-1] > peak[:-1]:
@@ -222,7 +253,9 @@ def Simulate(table: schedule.Table,
              lockstep: bool = False,
              tick_overhead: float = 0.0,
              gradient_memory: Optional[Sequence[float]] = None,
-             backward_memory: Optional[Sequence[float]] = None) -> Simulation:
+             backward_memory: Optional[Sequence[float]] = None,
+             weight_costs: Optional[Sequence[float]] = None,
+             weight_memory: Optional[Sequence[float]] = None) -> Simulation:
   """Times one training step of a schedule table from per-chunk costs.
 
   Each device runs its actions in table order, one at a time. Timing, two
@@ -242,7 +275,11 @@ def Simulate(table: schedule.Table,
 
   A backward action that re-materializes (`schedule.RecomputedCalls`) first
   runs its forward again (a 'recompute' event of the forward cost), then its
-  backward.
+  backward. In a table that splits the backward (`Table.split_backward`),
+  a backward action ('backward' event) takes `backward_costs` minus
+  `weight_costs`, and a weight action ('weight' event, which never
+  recomputes) takes `weight_costs`; it starts once its device is free and
+  its own backward has ended.
 
   Memory model, per device, counting micro-batch activations and, if given,
   weight gradients (not weights, optimizer slots or the merged output; the
@@ -254,7 +291,13 @@ def Simulate(table: schedule.Table,
   needs, without the input), and a backward holds its `backward_memory`
   while it runs. So for GPipe with M micro-batches the peak is
   M inputs + 1 activations for 'always' and 'except_last', M inputs + M
-  activations for 'never'. By default an input counts 0 and a call's
+  activations for 'never'. In a table that splits the backward, a call frees
+  its input and activations when its backward (input gradients) ends, as
+  above, and holds its `weight_memory` from then until its weight action
+  ends (what the weight gradient needs: e.g. the inputs of its matmuls and
+  the gradients of their outputs); its weight gradients appear (in the
+  chunk's sum, or fresh next to it) while the weight action runs, not the
+  backward. By default an input counts 0 and a call's
   activations 1: `peak_memory` is in "one call's activations"; pass byte
   sizes to get bytes.
 
@@ -281,6 +324,12 @@ def Simulate(table: schedule.Table,
     backward_memory: Optional per-chunk sizes of what a backward of the
       chunk holds only while it runs, e.g. its kernels' temporaries and the
       gradient it receives (default 0 each).
+    weight_costs: Per chunk, the part of `backward_costs` that the weight
+      gradient takes; required if the table splits the backward (ignored
+      otherwise), each at most the chunk's backward cost.
+    weight_memory: Optional per-chunk sizes of what a call holds from its
+      backward to its weight action in a table that splits the backward
+      (default 0 each).
 
   Returns:
     A `Simulation`.
@@ -288,8 +337,9 @@ def Simulate(table: schedule.Table,
   Raises:
     ValueError: naming the argument, if a list has another length than the
       chunks or a negative or non-finite entry, if all costs are zero, if
-      remat is unknown or if transfer_cost or tick_overhead is negative or
-      not finite.
+      remat is unknown, if transfer_cost or tick_overhead is negative or
+      not finite, or if the table splits the backward and weight_costs is
+      missing or above backward_costs.
   """
   num_chunks, num_devices = table.num_chunks, table.num_devices
   forward = _CheckCosts('forward_costs', forward_costs, num_chunks)
@@ -311,6 +361,21 @@ def Simulate(table: schedule.Table,
                _CheckCosts('gradient_memory', gradient_memory, num_chunks))
   transient = ([0.0] * num_chunks if backward_memory is None else
                _CheckCosts('backward_memory', backward_memory, num_chunks))
+  stashes = ([0.0] * num_chunks if weight_memory is None else
+             _CheckCosts('weight_memory', weight_memory, num_chunks))
+  weight = [0.0] * num_chunks
+  if table.split_backward:
+    if weight_costs is None:
+      raise ValueError(
+          f'weight_costs is required: the {table.schedule} table splits the '
+          'backward into input gradients (B) and weight gradients (W); give '
+          'per chunk the part of backward_costs that W takes.')
+    weight = _CheckCosts('weight_costs', weight_costs, num_chunks)
+    for c, (w, b) in enumerate(zip(weight, backward)):
+      if w > b:
+        raise ValueError(f'weight_costs[{c}]={w!r} is above backward_costs['
+                         f'{c}]={b!r}; the weight gradient is part of the '
+                         'backward.')
   recomputes = schedule.RecomputedCalls(table, remat)
 
   end = {}  # Action -> when it ended.
@@ -328,11 +393,14 @@ def Simulate(table: schedule.Table,
       if phase == schedule.FORWARD:
         source = schedule.Action(phase, c - 1, m) if c else None
         durations = [('forward', forward[c])]
+      elif phase == schedule.WEIGHT:
+        source = None  # Its own backward, on this device (below).
+        durations = [('weight', weight[c])]
       else:
         source = (schedule.Action(phase, c + 1, m) if c < last_chunk else
                   None)
         durations = ([('recompute', forward[c])] if recomputes[c, m] else [])
-        durations.append(('backward', backward[c]))
+        durations.append(('backward', backward[c] - weight[c]))
       delay = (transfer_cost if source is not None and
                table.Device(source.chunk) != k else 0.0)
       if lockstep:
@@ -343,6 +411,8 @@ def Simulate(table: schedule.Table,
           start = max(start, end[schedule.Action(schedule.FORWARD, c, m)])
           if table.loss_outside:
             start = max(start, loss_ready)
+        elif phase == schedule.WEIGHT:
+          start = max(start, end[schedule.Action(schedule.BACKWARD, c, m)])
       time = start + (delay if lockstep else 0.0)
       for name, cost in durations:
         events[k].append(Event(k, c, m, name, time, time + cost))
@@ -359,7 +429,7 @@ def Simulate(table: schedule.Table,
   busy = [sum(e.end - e.start for e in device_events)
           for device_events in events]
   peaks = _Peaks(table, recomputes, inputs, activations, gradients,
-                 transient)
+                 transient, stashes)
   return Simulation(
       table=table,
       step_time=step_time,
@@ -373,4 +443,6 @@ def Simulate(table: schedule.Table,
       recomputes=recomputes,
       peak_gradients=[p.gradients for p in peaks],
       peak_input_memory=[p.input_memory for p in peaks],
-      peak_backward_chunk=[p.backward_chunk for p in peaks])
+      peak_backward_chunk=[p.backward_chunk for p in peaks],
+      peak_weight_stash=[p.weight_stash for p in peaks],
+      peak_weights_waiting=[p.weights_waiting for p in peaks])
