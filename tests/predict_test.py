@@ -152,3 +152,60 @@ def testSizesThatDoNotFit():
     predict.Predict(Profile(TWO_CELLS), Shape(1, 3, 'always'), [2])
   with pytest.raises(ValueError, match='partition'):
     predict.Predict(Profile(TWO_CELLS), Shape(2, 1, 'always'), [2])
+
+
+# Zero bubble: the backward split into B and W.
+
+
+def _SplitCells(count=4, stash=1.0):
+  """Cells of F = B = W = 1 s a micro-batch of 1 (backward 2 s, W 1 s)."""
+  return [profile_lib.CellProfile(
+      f'fc{i}', forward_s=Affine(0.0, 1.0), backward_s=Affine(0.0, 2.0),
+      update_s=0.0, activation_bytes=4.0, output_bytes=1.0, weight_bytes=0.0,
+      gradient_bytes=0.0, slot_bytes=0.0, weight_s=Affine(0.0, 1.0),
+      weight_stash_bytes=stash) for i in range(count)]
+
+
+def testPredictZeroBubbleStepsFromTheWeightPart():
+  """2 cells on K = 2, M = 4 micro-batches of 1: the unit-cost steps."""
+  profile = Profile(_SplitCells(2), batch_size=4, loss_inside=True)
+  steps = {name: predict.Predict(profile, Shape(2, 4, 'never', schedule=name),
+                                 [1, 1]).step_terms['pipeline']
+           for name in ('1f1b', 'zb1p')}
+  assert steps == {'1f1b': 15.0, 'zb1p': 13.0}
+  zbv = predict.Predict(Profile(_SplitCells(4), batch_size=4,
+                                loss_inside=True),
+                        Shape(2, 4, 'never', schedule='zbv',
+                              virtual_stages=2), [1, 1, 1, 1])
+  assert zbv.step_terms['pipeline'] == 25.0  # 2 cells a device, not 1.
+  # The stash held from B to W is a term of the peak: device 1 of zb1p
+  # holds one call's input (1 byte), activations (4) and the gradient it
+  # receives (1) next to one stash (1), and the merged output (4).
+  zb1p = predict.Predict(profile, Shape(2, 4, 'never', schedule='zb1p'),
+                         [1, 1])
+  assert zb1p.peak_device == 1 and zb1p.device_peak_bytes[1] == 11.0
+  assert {t: zb1p.peak_terms[t] for t in (
+      'stage_inputs', 'activations', 'output_gradient', 'weight_stash',
+      'merged_output')} == {'stage_inputs': 1.0, 'activations': 4.0,
+                            'output_gradient': 1.0, 'weight_stash': 1.0,
+                            'merged_output': 4.0}
+  assert 'weight_stash' not in predict.Predict(
+      profile, Shape(2, 4, 'never', schedule='1f1b'), [1, 1]).peak_terms
+
+
+def testPredictRefusesZeroBubbleWithoutTheWeightPart():
+  profile = Profile(TWO_CELLS, loss_inside=True)
+  with pytest.raises(ValueError, match=r"schedule='zb1p' splits the "
+                     r"backward, but the profile has no weight_s / "
+                     r"weight_stash_bytes for cells \['a', 'b'\]"):
+    predict.Predict(profile, Shape(2, 2, 'never', schedule='zb1p'), [1, 1])
+
+
+def testWeightPartsRoundTripAndOldProfilesLoad():
+  cell = _SplitCells(1)[0]
+  assert profile_lib.CellProfile.FromJson(cell.ToJson()) == cell
+  assert cell.ToJson()['weight_s'] == [0.0, 1.0]
+  old = cell.ToJson()
+  del old['weight_s'], old['weight_stash_bytes']
+  loaded = profile_lib.CellProfile.FromJson(old)
+  assert loaded.weight_s is None and not loaded.splits_backward

@@ -3,7 +3,9 @@
 import pytest
 
 from lingvo_gpipe.planning import schedule
+from lingvo_gpipe.planning import profile as profile_lib
 from lingvo_gpipe.planning import search
+from planning_util import Affine
 from planning_util import Cell
 from planning_util import Profile
 from planning_util import Shape
@@ -91,3 +93,35 @@ def testBadSearchArguments():
                   schedules=['nope'])
   with pytest.raises(TypeError):  # N and the budget are keywords.
     search.Search(Profile(TWO_CELLS), 2, 1.0)
+
+
+def _WithWeightParts(cells):
+  return [profile_lib.CellProfile(**{
+      **c.__dict__, 'weight_s': Affine(0.0, 1.0), 'weight_stash_bytes': 0.0})
+          for c in cells]
+
+
+def testSearchPlansZeroBubbleWhenTheProfileHasTheWeightPart():
+  cells = [Cell(f'c{i}') for i in range(4)]
+  result = search.Search(Profile(_WithWeightParts(cells), loss_inside=True),
+                         num_devices=2, memory_per_device=1e9)
+  found = {(c.schedule, c.virtual_stages) for c in result.candidates}
+  assert {('zb1p', 1), ('zbv', 2)} <= found
+  assert ('zb1p', 2) not in found and ('zbv', 1) not in found
+  assert any("schedule 'zbv':" in s and 'virtual_stages=1 is not supported'
+             in s for s in result.skipped)
+  # The same K, M, remat: the zero bubble step is never slower than 1F1B's.
+  by = {(c.schedule, c.num_stages, c.virtual_stages, c.num_micro_batches,
+         c.remat): c.predicted_step_s for c in result.candidates}
+  for (name, k, v, m, remat), step in by.items():
+    if name == 'zb1p':
+      assert step <= by['1f1b', k, v, m, remat]
+
+
+def testSearchSaysWhyZeroBubbleIsNotPlannedWithoutTheWeightPart():
+  result = search.Search(Profile([Cell(f'c{i}') for i in range(4)],
+                                 loss_inside=True),
+                         num_devices=2, memory_per_device=1e9)
+  assert {c.schedule for c in result.candidates} == {'1f1b'}
+  assert any(s.startswith("schedule 'zb1p': splits the backward") and
+             'no weight_s / weight_stash_bytes' in s for s in result.skipped)

@@ -101,26 +101,48 @@ def _SplitCells(cells: Sequence[CellProfile],
   return [cells[end - count:end] for end, count in zip(ends, counts)]
 
 
-def _ChunkSeconds(profile: profile_lib.Profile,
-                  chunks: Sequence[Sequence[CellProfile]],
-                  micro: int) -> Tuple[List[float], List[float]]:
-  """Per chunk, the forward and the backward seconds of one call.
+def _ChunkSeconds(
+    profile: profile_lib.Profile, chunks: Sequence[Sequence[CellProfile]],
+    micro: int, split_backward: bool = False
+) -> Tuple[List[float], List[float], Optional[List[float]]]:
+  """Per chunk, the forward, backward and weight-gradient seconds of a call.
 
   Each is its cells' profiled time on the micro-batch plus half of the
-  calibrated call overhead.
+  calibrated call overhead. When the backward is split, its two actions are
+  calls of their own: B (the backward minus the weight part) and W (the
+  cells' `weight_s`, at most their backward) each pay half the overhead.
 
   Args:
     profile: The model.
     chunks: Per chunk, its cells.
     micro: Examples per micro-batch.
+    split_backward: Whether the table splits the backward.
 
   Returns:
-    (forward seconds, backward seconds), one per chunk each.
+    (forward seconds, backward seconds (B and W together), weight seconds
+    or None if not split), one per chunk each.
   """
   half_call = profile.call_overhead_s / 2
   forward = _ChunkSums(chunks, lambda c: c.forward_s(micro))
   backward = _ChunkSums(chunks, lambda c: c.backward_s(micro))
-  return ([t + half_call for t in forward], [t + half_call for t in backward])
+  forward = [t + half_call for t in forward]
+  backward = [t + half_call for t in backward]
+  if not split_backward:
+    return forward, backward, None
+  weight = [t + half_call for t in _ChunkSums(
+      chunks, lambda c: min(c.weight_s(micro), c.backward_s(micro)))]
+  return forward, [t + half_call for t in backward], weight
+
+
+def _CheckWeightParts(profile: profile_lib.Profile,
+                      shape: profile_lib.PipelineShape) -> None:
+  """ValueError unless a schedule that splits the backward has its costs."""
+  missing = profile.CellsWithoutWeightParts()
+  if schedule.SCHEDULES[shape.schedule].split_backward and missing:
+    raise ValueError(
+        f'schedule={shape.schedule!r} splits the backward, but the profile '
+        f'has no weight_s / weight_stash_bytes for cells {missing}; profile '
+        'the model again to plan it.')
 
 
 def _StageInputBytes(profile: profile_lib.Profile,
@@ -166,12 +188,16 @@ def _BuildStep(profile: profile_lib.Profile,
                counts: Sequence[int]) -> _Step:
   """The table of a configuration, simulated with its chunks' costs."""
   micro = shape.MicroBatchSize(profile.batch_size)
+  _CheckWeightParts(profile, shape)
   table = schedule.BuildTable(shape.schedule,
                               num_devices=shape.num_stages,
                               num_micro_batches=shape.num_micro_batches,
                               virtual_stages=shape.virtual_stages)
   chunks = _SplitCells(profile.cells, counts)
-  forward, backward = _ChunkSeconds(profile, chunks, micro)
+  forward, backward, weight = _ChunkSeconds(profile, chunks, micro,
+                                            table.split_backward)
+  stashes = (_ChunkSums(chunks, lambda c: c.weight_stash_bytes * micro)
+             if table.split_backward else None)
   workspace = _WorkspaceBytes(table, shape.remat, chunks, micro)
   output_gradients = _OutputGradientBytes(chunks, micro)
   sim = simulate.Simulate(
@@ -180,7 +206,8 @@ def _BuildStep(profile: profile_lib.Profile,
       activation_memory=_ChunkSums(chunks,
                                    lambda c: c.activation_bytes * micro),
       gradient_memory=_ChunkSums(chunks, lambda c: c.gradient_bytes),
-      backward_memory=[w + g for w, g in zip(workspace, output_gradients)])
+      backward_memory=[w + g for w, g in zip(workspace, output_gradients)],
+      weight_costs=weight, weight_memory=stashes)
   return _Step(profile, shape, table, chunks, micro, workspace,
                output_gradients, sim)
 
@@ -198,21 +225,27 @@ def _TableBytes(step: _Step, k: int) -> Dict[str, float]:
 
   Returns:
     {'gradients', 'stage_inputs', 'activations', 'backward_workspace',
-    'output_gradient': bytes}.
+    'output_gradient': bytes}, and 'weight_stash' (what calls hold from B to
+    W) if the table splits the backward.
   """
   sim = step.sim
   running = sim.peak_backward_chunk[k]
   workspace, received = ((0.0, 0.0) if running is None else
                          (step.workspace[running],
                           step.output_gradients[running]))
-  return {
+  stash = sim.peak_weight_stash[k]
+  terms = {
       'gradients': sim.peak_gradients[k],
       'stage_inputs': sim.peak_input_memory[k],
       'activations': (sim.peak_memory[k] - sim.peak_gradients[k] -
-                      sim.peak_input_memory[k] - workspace - received),
+                      sim.peak_input_memory[k] - workspace - received -
+                      stash),
       'backward_workspace': workspace,
       'output_gradient': received,
   }
+  if step.table.split_backward:
+    terms['weight_stash'] = stash
+  return terms
 
 
 def _OutsidePipelineBytes(step: _Step, k: int) -> float:
@@ -329,7 +362,11 @@ def Predict(profile: profile_lib.Profile,
   call that kept its activations where the chunk has one) and the gradient
   of its outputs that it receives; on the first device,
   `profile.outside_bytes` (input and loss temporaries); on the device of the
-  last chunk, the merged output of the replica's batch. Where the learner's
+  last chunk, the merged output of the replica's batch; for a schedule that
+  splits the backward (zero bubble), the W stashes held at the peak
+  (`CellProfile.weight_stash_bytes`, the term 'weight_stash'), the cells'
+  `weight_s` being the W action's time (B takes the rest of `backward_s`;
+  each is a call, with half the call overhead). Where the learner's
   update holds more than that (see `_UpdateCopyBytes`), the difference is
   the term 'update_copies'. With R > 1, every device adds
   `profile.replica_overhead_bytes` (the term 'replicas').
@@ -345,7 +382,9 @@ def Predict(profile: profile_lib.Profile,
     The `Candidate`.
 
   Raises:
-    ValueError: if the sizes do not fit together (batch, cells, chunks).
+    ValueError: if the sizes do not fit together (batch, cells, chunks), or
+      the schedule splits the backward and the profile lacks the weight
+      parts (`CellProfile.splits_backward`).
   """
   counts = partition_lib.CheckPartition(partition, profile.num_cells,
                                         shape.num_chunks)

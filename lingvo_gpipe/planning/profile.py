@@ -90,7 +90,7 @@ class Affine:
 
 # The fields of `CellProfile` that are costs of the examples.
 _AFFINE_FIELDS = ('forward_s', 'backward_s', 'workspace_bytes',
-                  'kept_workspace_bytes')
+                  'kept_workspace_bytes', 'weight_s')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +121,17 @@ class CellProfile:
     weight_bytes: Bytes of all its variables.
     gradient_bytes: Bytes of its trainable variables (one gradient each).
     slot_bytes: Bytes of the optimizer's slots for its variables.
+    weight_s: Seconds, on n examples, of the part of `backward_s` that
+      computes the gradients of its weights, when a schedule splits the
+      backward (zero bubble: `schedule.Table.split_backward`): the weight
+      action W takes it, the backward action B takes `backward_s` minus
+      it. None (profiles written before it was, or not measured): zero
+      bubble schedules are not planned for the model.
+    weight_stash_bytes: Per example, the bytes a call holds from its B to
+      its W when the backward is split: what the weight gradients need
+      (e.g. the inputs of its matmuls and the gradients of their outputs),
+      as held while the call waits for W, beyond nothing (the call's
+      activations and input are freed at B). None: as for `weight_s`.
   """
   name: str
   forward_s: Affine
@@ -133,6 +144,13 @@ class CellProfile:
   slot_bytes: float
   workspace_bytes: Affine = Affine(0.0, 0.0)
   kept_workspace_bytes: Optional[Affine] = None
+  weight_s: Optional[Affine] = None
+  weight_stash_bytes: Optional[float] = None
+
+  @property
+  def splits_backward(self) -> bool:
+    """Whether the profile has the weight-gradient part (zero bubble)."""
+    return self.weight_s is not None and self.weight_stash_bytes is not None
 
   def Workspace(self, keeps: bool) -> Affine:
     """A running backward's workspace (see the attributes).
@@ -226,6 +244,10 @@ class Profile:
   @property
   def num_cells(self) -> int:
     return len(self.cells)
+
+  def CellsWithoutWeightParts(self) -> List[str]:
+    """The cells without `weight_s` or `weight_stash_bytes`, by name."""
+    return [c.name for c in self.cells if not c.splits_backward]
 
   def ToJson(self) -> Dict[str, Any]:
     return {

@@ -154,8 +154,14 @@ def RankKey(candidate: Candidate) -> Tuple[int, float, float]:
 
 def _UsableSchedules(profile: profile_lib.Profile, names: Sequence[str],
                      skipped: List[str]) -> List[str]:
-  """The schedules whose loss placement the model has; others to skipped."""
+  """The schedules the model and its profile allow; others to skipped.
+
+  A schedule needs the loss where the model computes it, and one that
+  splits the backward (zero bubble) needs the cells' weight-gradient costs
+  in the profile (`CellProfile.splits_backward`): the planner assumes none.
+  """
   usable = []
+  missing = profile.CellsWithoutWeightParts()
   for name in names:
     if schedule.SCHEDULES[name].loss_inside != profile.loss_inside:
       where = 'inside' if schedule.SCHEDULES[name].loss_inside else 'outside'
@@ -163,6 +169,13 @@ def _UsableSchedules(profile: profile_lib.Profile, names: Sequence[str],
              'does not compute the loss')
       skipped.append(f'schedule {name!r}: needs the loss {where} the '
                      f'pipeline; the last cell {has}.')
+    elif schedule.SCHEDULES[name].split_backward and missing:
+      skipped.append(
+          f'schedule {name!r}: splits the backward into input and weight '
+          'gradients, but the profile has no weight_s / weight_stash_bytes '
+          f'(the weight gradient\'s time and stash) for cells '
+          f'{missing[:3]}{" ..." if len(missing) > 3 else ""}; profile the '
+          'model again to plan it.')
     else:
       usable.append(name)
   return usable
@@ -181,7 +194,10 @@ def Search(profile: profile_lib.Profile,
   K runs over the divisors of N up to the number of cells (R = N / K
   replicas, each on B / R examples); M over the divisors of B / R (up to
   `max_micro_batches`); the schedules of `schedule.SCHEDULES` (or
-  `schedules`) whose loss placement the model has (`loss_inside`); v from 1
+  `schedules`) whose loss placement the model has (`loss_inside`) and, for
+  those that split the backward, whose costs the profile has; the sizes each
+  schedule runs (`schedule.CheckScheduleSizes`: 'zb1p' v = 1, 'zbv' v = 2,
+  interleaved '1f1b' K dividing M); v from 1
   while K v chunks fit the cells (up to `max_virtual_stages`; only v = 1 on
   one device, where chunks change nothing but the number of calls); every
   remat mode; the partition of `PlanPartition`.
@@ -214,6 +230,7 @@ def Search(profile: profile_lib.Profile,
   skipped = []
   usable = _UsableSchedules(profile, names, skipped)
   candidates = []
+  refused = {}  # Schedule -> (count, first reason) of sizes it cannot run.
   for num_stages in profile_lib.Divisors(num_devices):
     replicas = num_devices // num_stages
     if num_stages > profile.num_cells:
@@ -235,6 +252,12 @@ def Search(profile: profile_lib.Profile,
     for name in usable:
       for virtual in range(1, most_v + 1):
         for num_micro in micro_counts:
+          try:
+            schedule.CheckScheduleSizes(name, num_stages, num_micro, virtual)
+          except ValueError as e:
+            count, reason = refused.get(name, (0, str(e)))
+            refused[name] = (count + 1, reason)
+            continue
           for remat in remats:
             shape = profile_lib.PipelineShape(
                 num_stages=num_stages, num_micro_batches=num_micro,
@@ -242,6 +265,9 @@ def Search(profile: profile_lib.Profile,
                 replicas=replicas)
             candidates.append(PlanPartition(
                 profile, shape, memory_per_device=memory_per_device))
+  for name, (count, reason) in refused.items():
+    skipped.append(f'schedule {name!r}: {count} (K, v, M) it does not run, '
+                   f'e.g. {reason}')
   if num_devices > 1 and profile.num_cells > 1:
     skipped.append('v > 1 with K = 1: one device runs its chunks in turn; '
                    'chunks change only the number of calls.')

@@ -27,6 +27,7 @@ PHASE_COLORS = {
     'forward': '#4C72B0',
     'recompute': '#DD8452',
     'backward': '#55A868',
+    'weight': '#8172B3',  # The weight gradient of a split backward.
 }
 # Label boxes with their micro-batch only if there are at most this many.
 _MAX_LABELLED_EVENTS = 600
