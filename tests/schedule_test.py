@@ -309,34 +309,31 @@ def testChooseEngineErrors(engine, remat, schedule_name, message):
 # 1F1B.
 
 
+def _MostHeld(table, device, begin, end):
+  """The most calls of a device between their `begin` and `end` actions."""
+  live, most = set(), 0
+  for action in table.device_orders[device]:
+    key = (action.chunk, action.micro_batch)
+    if action.phase == begin:
+      live.add(key)
+      most = max(most, len(live))
+    elif action.phase == end:
+      live.remove(key)
+  return most
+
+
 def _InFlight(table, device):
   """The most micro-batches (of any chunk) a device has begun, not ended.
 
   Ended: backward (input gradients) done; see `_WeightsWaiting` for what a
   table that splits the backward keeps after that.
   """
-  live, most = set(), 0
-  for action in table.device_orders[device]:
-    key = (action.chunk, action.micro_batch)
-    if action.phase == F:
-      live.add(key)
-      most = max(most, len(live))
-    elif action.phase == B:
-      live.remove(key)
-  return most
+  return _MostHeld(table, device, F, B)
 
 
 def _WeightsWaiting(table, device):
   """The most calls of a device whose backward ran and weight gradient not."""
-  waiting, most = set(), 0
-  for action in table.device_orders[device]:
-    key = (action.chunk, action.micro_batch)
-    if action.phase == B:
-      waiting.add(key)
-      most = max(most, len(waiting))
-    elif action.phase == W:
-      waiting.remove(key)
-  return most
+  return _MostHeld(table, device, B, W)
 
 
 @pytest.mark.parametrize('k,m', [(1, 1), (2, 2), (4, 2), (4, 8), (4, 32),

@@ -124,6 +124,12 @@ flags.DEFINE_list(
     'backward_costs', None, 'simulate: the backward time of one micro-batch '
     'on each chunk, without the recompute (which costs the forward time), or '
     'one value for all. Default: twice the forward costs.')
+flags.DEFINE_list(
+    'weight_costs', None, 'simulate, for a schedule that splits the '
+    'backward (zb1p, zbv): the part of each chunk\'s backward cost that the '
+    'weight gradient (W) takes, the input gradient (B) taking the rest; or '
+    'one value for all. Default: half the backward costs (F = B = W when '
+    'the backward costs twice the forward).')
 flags.DEFINE_integer(
     'num_micro_batches', None, 'simulate, timeline: M, the number of '
     'micro-batches per step (required).', lower_bound=1)
@@ -510,17 +516,27 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
   num_micro = _NumMicroBatches()
   table = _Table(num_stages, num_micro)
   engine = _Engine(num_stages, num_micro)
+  weight = None
+  if table.split_backward:
+    weight = (_PerChunk('weight_costs', FLAGS.weight_costs, num_chunks) or
+              [b / 2 for b in backward])
   try:
     sim = simulate.Simulate(table, forward, backward, FLAGS.remat,
                             FLAGS.transfer_cost, input_memory,
                             activation_memory, lockstep=engine == 'loop',
-                            tick_overhead=FLAGS.tick_overhead)
+                            tick_overhead=FLAGS.tick_overhead,
+                            weight_costs=weight)
   except ValueError as e:
     raise PlanError(str(e)) from e
   shape = (f'K={num_stages}, v={virtual}, M={num_micro}, remat={FLAGS.remat},'
            f' {engine} engine')
   print(f'Simulated {FLAGS.schedule} step: {shape}, transfer cost '
         f'{FLAGS.transfer_cost:g}')
+  if weight is not None:
+    print('backward split: weight gradients (W) cost '
+          f'{",".join(f"{w:g}" for w in weight)} of the backward costs '
+          f'{",".join(f"{b:g}" for b in backward)} per chunk'
+          f'{"" if FLAGS.weight_costs else " (default: half)"}')
   print(f'step time: {sim.step_time:.6g} (forwards end at '
         f'{sim.forward_time:.6g})')
   print(_Bubble(num_stages, num_micro, sim.bubble_fraction))
@@ -531,7 +547,9 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
           f'{sim.peak_memory[k]:11.4g}  '
           f'{sim.peak_inputs[k]} inputs + activations of '
           f'{sim.peak_activations[k]} call'
-          f'{"" if sim.peak_activations[k] == 1 else "s"}')
+          f'{"" if sim.peak_activations[k] == 1 else "s"}'
+          + (f' + {sim.peak_weights_waiting[k]} W stashes'
+             if table.split_backward else ''))
   print(_MemoryUnit())
   _WriteOutputs(sim.events, num_stages,
                 f'Simulated {FLAGS.schedule} step: {shape}, bubble '
@@ -544,6 +562,7 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
       'engine': engine,
       'forward_costs': forward,
       'backward_costs': backward,
+      'weight_costs': weight,
       'num_micro_batches': num_micro,
       'remat': FLAGS.remat,
       'transfer_cost': FLAGS.transfer_cost,
