@@ -124,10 +124,13 @@ def testPassesFollowTheLossPlacement():
 
 def testChannelOrderOfTheBuiltInTables():
   """Every edge's reader takes micro-batches in its writer's order."""
-  for name in schedule.SCHEDULES:
-    for k, v in ((2, 1), (4, 1), (2, 2)):
-      table = schedule.BuildTable(name, k, 8, v)
-      assert _Lowered(table).ChannelOrderHolds(), (name, k, v)
+  runs = {'gpipe': (1, 2), '1f1b': (1, 2), 'zb1p': (1,), 'zbv': (2,)}
+  assert set(runs) == set(schedule.SCHEDULES)
+  for name, virtual_stages in runs.items():
+    for k, v in ((2, 1), (4, 1), (2, 2), (4, 2)):
+      if v in virtual_stages:
+        table = schedule.BuildTable(name, k, 8, v)
+        assert _Lowered(table).ChannelOrderHolds(), (name, k, v)
 
 
 def testChannelOrderHoldsForAFifoBackward():

@@ -4,7 +4,8 @@ A step's edges (`planning.lowering.Edge`) carry tensors from chunk to chunk;
 what each carries for one micro-batch (its `Boundary`) is known once its
 source is traced. `Chunk` traces a chunk's forward once on those specs and
 keeps its flat weights and initial state, and its `stage.SplitCall` when
-some call keeps its activations.
+some call keeps its activations, or its `split_backward.BackwardSplit` when
+the table splits the backward.
 
     >>> from lingvo_gpipe.engine import stage as stage_lib
     >>> from lingvo_gpipe.planning import lowering
@@ -15,7 +16,7 @@ some call keeps its activations.
     ...               None]
     >>> chunk = Chunk(0, stage_lib.Stage(Double, 'c0', '/cpu:0'),
     ...               tf.constant(2.0), edges, boundaries, (),
-    ...               check_weights=False, split=False)
+    ...               check_weights=False, split=None)
     >>> chunk.in_edges, chunk.out_edges, boundaries[1].Structure()
     ([0], [1], (TensorSpec(shape=(2,), dtype=tf.float32, name=None),))
 """
@@ -24,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from lingvo_gpipe.engine import split_backward
 from lingvo_gpipe.engine import stage as stage_lib
 from lingvo_gpipe.planning import lowering
 
@@ -99,13 +101,14 @@ class Chunk:
     out_edges: The edges it writes, main first (their tensors, in order, are
       its flat outputs).
     state: Its flat initial state.
-    split: Its `stage.SplitCall`, if some call keeps its activations.
+    split: Its `stage.SplitCall` or `split_backward.BackwardSplit`, or None
+      (see `__init__`).
   """
 
   def __init__(self, index: int, stage: stage_lib.Stage, theta: Any,
                edges: Sequence[lowering.Edge],
                boundaries: List[Optional[Boundary]], state: Any,
-               check_weights: bool, split: bool):
+               check_weights: bool, split: Optional[str]):
     """Traces the chunk's forward; sets the boundaries of its out-edges.
 
     Args:
@@ -118,7 +121,9 @@ class Chunk:
       state: Its nest of initial state.
       check_weights: Whether to check that the body reads every weight from
         theta (a recompute must see them all).
-      split: Whether to build its `stage.SplitCall`.
+      split: None, 'call' (some call keeps its activations: build its
+        `stage.SplitCall`) or 'backward' (the table splits the backward:
+        build its `split_backward.BackwardSplit`).
     """
     self.stage = stage
     self.in_edges = [e for e, edge in enumerate(edges) if edge.target == index]
@@ -138,7 +143,13 @@ class Chunk:
     for e, mask in zip(self.out_edges,
                        stage.OutputGroups(len(self.out_edges) - 1)):
       boundaries[e] = Boundary(mask, [next(specs) for m in mask if m])
-    self.split = stage_lib.SplitCall(concrete, stage.name) if split else None
+    with tf.device(stage.device):
+      if split == 'backward':
+        self.split = split_backward.BackwardSplit(stage, self.theta, x_specs,
+                                                  self.state)
+      else:
+        self.split = (stage_lib.SplitCall(concrete, stage.name)
+                      if split == 'call' else None)
 
   @property
   def device(self) -> str:

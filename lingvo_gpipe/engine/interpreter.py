@@ -14,6 +14,8 @@ The loop variables `v` are a dict of lists:
   micro-batch);
 * 'saved_state', 'stash': per chunk, buffers (TensorArrays) of its state
   before each call and of what a call keeping its activations stashes;
+* 'weight_stash': per chunk, in a table that splits the backward, buffers
+  of what each backward stashes for its weight gradient;
 * 'd_state', 'd_theta': per chunk, the gradient of its state (with the loss
   outside, carried from micro-batch m + 1 to m) and its weight-gradient sums;
 * 'data', 'grad': per edge, buffers of its tensors on its reader's device
@@ -27,6 +29,12 @@ tick), keeps only its input and state and reruns its forward in its backward
 (`stage.Stage.backward`); a call that keeps its activations runs the forward
 half of TensorFlow's own split of the call (`stage.SplitCall`) and stashes
 what its backward half reads.
+
+In a table that splits the backward (zero-bubble schedules), a backward
+instruction computes the gradients of its chunk's inputs and state alone
+and stashes what the weight gradients need; a weight instruction computes
+those from the stash and adds them to the sums (`split_backward.py`, which
+then also gives the forward of a call that keeps its activations).
 
 Weight gradients are summed densely: an embedding's sparse (IndexedSlices)
 gradient becomes a dense tensor of the table's shape (`chunks.Dense`) before
@@ -45,11 +53,13 @@ from lingvo_gpipe.engine import chunks as chunks_lib
 from lingvo_gpipe.engine import stage as stage_lib
 from lingvo_gpipe.planning import lowering
 
-F, B = lowering.F, lowering.B
+F, B, W = lowering.F, lowering.B, lowering.W
 
-# The per-chunk loop variables each kind of instruction changes.
+# The per-chunk loop variables each kind of instruction changes (a backward
+# of a table that splits it: 'd_state' and 'weight_stash').
 CHUNK_FIELDS = {F: ('state', 'saved_state', 'stash'),
-                B: ('d_state', 'd_theta')}
+                B: ('d_state', 'd_theta'),
+                W: ('d_theta',)}
 Row = Dict[Any, tf.Tensor]
 Variables = Dict[str, List[Any]]
 
@@ -123,9 +133,12 @@ class Interpreter:
 
   def ChunkFields(self, phase: str) -> Tuple[str, ...]:
     """The per-chunk variables an instruction of `phase` changes."""
+    fields = CHUNK_FIELDS[phase]
+    if phase == B and self.step.table.split_backward:
+      fields = ('d_state', 'weight_stash')
     if phase == B and self.loss_inside:  # No state gradient flows back.
-      return ('d_theta',)
-    return CHUNK_FIELDS[phase]
+      fields = fields[1:]
+    return fields
 
   def Initial(self, states: List[List[tf.Tensor]], has_buffer,
               d_states: Optional[List[List[Optional[tf.Tensor]]]] = None
@@ -143,7 +156,8 @@ class Interpreter:
     """
     step = self.step
     v = {name: [] for name in ('data', 'grad', 'state', 'saved_state',
-                               'stash', 'd_state', 'd_theta')}
+                               'stash', 'weight_stash', 'd_state',
+                               'd_theta')}
     for e in range(len(self.edges)):
       boundary = self.boundaries[e]
       for kind, specs in (('data', boundary.specs),
@@ -162,6 +176,10 @@ class Interpreter:
         v['stash'].append([Buffer(s, step.Size('stash', c))
                            for s in chunk.split.stash_specs]
                           if step.Size('stash', c) else [])
+        v['weight_stash'].append(
+            [Buffer(s, step.Size('weight', c))
+             for s in chunk.split.weight_stash_specs]
+            if step.Size('weight', c) else [])
         given = [None] * len(chunk.state) if d_states is None else d_states[c]
         v['d_state'].append([
             tf.zeros_like(t) if g is None else g
@@ -189,6 +207,9 @@ class Interpreter:
     with tf.name_scope(f'chunk{c}'):  # engine/trace.py reads it.
       if phase == F:
         return self._Forward(c, keeps, row, v, new, transport)
+      if phase == W:
+        self._Weight(c, row, v, new)
+        return []
       return self._Backward(c, keeps, row, v, new, transport)
 
   def _SavedInputs(self, c: int, m: tf.Tensor, row: Row,
@@ -254,8 +275,15 @@ class Interpreter:
     state = [a.read(row['state_slot']) for a in v['saved_state'][c]]
     d_state = Scatter(v['d_state'][c], self.diff_state[c])
     args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
-    if keeps:
-      stash = [a.read(row['stash_slot']) for a in v['stash'][c]]
+    stash = ([a.read(row['stash_slot']) for a in v['stash'][c]]
+             if keeps else None)
+    if self.step.table.split_backward:
+      d_inputs, weight_stash = chunk.split.Input(d_y + d_state, args, stash)
+      new['weight_stash'][c] = [
+          a.write(row['weight_slot'], t)
+          for a, t in zip(v['weight_stash'][c], weight_stash)]
+      grads = [None] * len(chunk.theta) + d_inputs + [None]
+    elif keeps:
       d_state = [tf.zeros_like(t) if g is None and d else g
                  for t, g, d in zip(state, d_state, self.diff_state[c])]
       grads = chunk.split.Backward(d_y + d_state, args, stash)
@@ -267,8 +295,8 @@ class Interpreter:
     if not self.loss_inside:  # The state gradient flows m + 1 -> m.
       new['d_state'][c] = [g for g in dense[n_theta + n_x:len(args) - 1]
                            if g is not None]
-    new['d_theta'][c] = [total + g for total, g in zip(
-        v['d_theta'][c], [g for g in dense[:n_theta] if g is not None])]
+    if not self.step.table.split_backward:
+      self._AddWeightGradients(c, dense[:n_theta], v, new)
     d_x = dense[n_theta:n_theta + n_x]
     sizes = [len(self.boundaries[e].specs) for e in chunk.in_edges]
     sends = []
@@ -277,6 +305,21 @@ class Interpreter:
                if d]
       sends += transport.InputGradient(self, e, grads, m, row, v, new)
     return sends
+
+  def _Weight(self, c: int, row: Row, v: Variables, new: Variables) -> None:
+    """Chunk c's weight gradients of a micro-batch, from its weight stash."""
+    chunk = self.chunks[c]
+    stash = [a.read(row['weight_slot']) for a in v['weight_stash'][c]]
+    grads = chunk.split.Weight(chunk.theta, stash)
+    self._AddWeightGradients(
+        c, [chunks_lib.Dense(g, t) for g, t in zip(grads, chunk.theta)], v,
+        new)
+
+  def _AddWeightGradients(self, c: int, grads: Sequence[Optional[tf.Tensor]],
+                          v: Variables, new: Variables) -> None:
+    """Adds one call's dense weight gradients to chunk c's sums."""
+    new['d_theta'][c] = [total + g for total, g in zip(
+        v['d_theta'][c], [g for g in grads if g is not None])]
 
   def Results(self, v: Variables):
     """(outputs stacked [M, ...], final states, d_theta, d_inputs, d_states).

@@ -20,13 +20,17 @@ from lingvo_gpipe.engine import transport as transport_lib
 from lingvo_gpipe.planning import lowering
 from lingvo_gpipe.planning import rows as rows_lib
 
-F, B = lowering.F, lowering.B
+F, B, W = lowering.F, lowering.B, lowering.W
 
 # What the instructions of a phase change (the rest they only read).
 _CHANGED = {
     F: ('state', 'saved_state', 'stash', 'sent', 'data'),
-    B: ('d_state', 'd_theta', 'sent_grad', 'grad'),
+    B: ('d_state', 'd_theta', 'weight_stash', 'sent_grad', 'grad'),
+    W: ('d_theta',),
 }
+# The variables that hold one entry per chunk.
+_PER_CHUNK = ('state', 'saved_state', 'stash', 'weight_stash', 'd_state',
+              'd_theta')
 
 
 def _Invariants(interp: interpreter_lib.Interpreter,
@@ -106,8 +110,25 @@ def Run(interp: interpreter_lib.Interpreter, ticks: range,
     carried = {key for phase in segment.phases for key in _CHANGED[phase]}
     if interp.loss_inside:
       carried.discard('d_state')
+    # Chunks of devices with nothing to run in the segment are not carried
+    # either: XLA fails on loops that pass values through unchanged.
+    working = [c for k, choices in enumerate(segment.choices) if choices
+               for c in interp.Own(k)]
+
+    def Select(key, values, working=working):
+      return [values[c] for c in working] if key in _PER_CHUNK else values
+
+    def Merge(key, values, working=working, v=v):
+      if key not in _PER_CHUNK:
+        return values
+      merged = list(v[key])
+      for c, value in zip(working, values):
+        merged[c] = value
+      return merged
+
     fixed = {key: value for key, value in v.items() if key not in carried}
-    loop_vars = {key: value for key, value in v.items() if key in carried}
+    loop_vars = {key: Select(key, value) for key, value in v.items()
+                 if key in carried}
     # A loop starts when the previous one has ended, whatever variable it
     # reads first: its counters wait for all of them (lowered, each loop
     # variable leaves its loop on its own). Each device counts the ticks
@@ -120,17 +141,21 @@ def Run(interp: interpreter_lib.Interpreter, ticks: range,
         with tf.device(interp.DeviceName(k)):
           counters.append(tf.constant(0, name=f'{name}_tick_{i}'))
 
-    def Body(counters, loop_vars, segment=segment, fixed=fixed):
+    def Body(counters, loop_vars, segment=segment, fixed=fixed, merge=Merge,
+             select=Select):
       rows = []
       for k, (t, table) in enumerate(zip(counters, segment.rows)):
         with tf.device(interp.DeviceName(k)):
           rows.append(tf.unstack(tf.constant(table, tf.int32)[t]))
-      new = _Tick(interp, segment, rows, dict(fixed, **loop_vars), lowered)
+      new = _Tick(interp, segment, rows,
+                  dict(fixed, **{key: merge(key, value)
+                                 for key, value in loop_vars.items()}),
+                  lowered)
       next_counters = []
       for k, t in enumerate(counters):
         with tf.device(interp.DeviceName(k)):
           next_counters.append(t + 1)
-      return next_counters, {key: new[key] for key in loop_vars}
+      return next_counters, {key: select(key, new[key]) for key in loop_vars}
 
     num_ticks = len(segment.ticks)
     results = tf.while_loop(
@@ -144,5 +169,6 @@ def Run(interp: interpreter_lib.Interpreter, ticks: range,
         maximum_iterations=num_ticks,
         name=f'{name}_{i}')
     control_flow.KeepUnlowered(results[0], control_flow.LOOP_OPS, lowered)
-    v = dict(fixed, **results[1])
+    v = dict(fixed, **{key: Merge(key, value)
+                       for key, value in results[1].items()})
   return v

@@ -151,12 +151,18 @@ def _Chunks(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
            ) -> List[chunks_lib.Chunk]:
   """The `chunks.Chunk`s, tracing each once, in order (sets boundaries)."""
   num_micro = step.table.num_micro_batches
+
+  def Split(c):
+    if not step.training:
+      return None
+    if step.table.split_backward:
+      return 'backward'
+    return None if all(step.recomputes[c, m]
+                       for m in range(num_micro)) else 'call'
+
   return [
-      chunks_lib.Chunk(
-          c, s, theta, step.edges, boundaries, state,
-          check_weights=step.training,
-          split=step.training and not all(step.recomputes[c, m]
-                                          for m in range(num_micro)))
+      chunks_lib.Chunk(c, s, theta, step.edges, boundaries, state,
+                       check_weights=step.training, split=Split(c))
       for c, (s, theta, state) in enumerate(zip(stages, thetas, states))
   ]
 

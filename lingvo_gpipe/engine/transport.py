@@ -73,8 +73,10 @@ class Buffers:
     if phase == F:
       return [('sent', e) for e, edge in enumerate(interp.edges)
               if edge.source in own]
-    return [('sent_grad', e) for e, edge in enumerate(interp.edges)
-            if edge.target in own]
+    if phase == B:
+      return [('sent_grad', e) for e, edge in enumerate(interp.edges)
+              if edge.target in own]
+    return []  # A weight gradient moves nothing between devices.
 
   @staticmethod
   def ForwardInput(unused_interp, e: int, row, v, unused_new

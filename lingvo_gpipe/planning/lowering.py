@@ -46,12 +46,14 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from lingvo_gpipe.planning import schedule
 
-F, B = schedule.FORWARD, schedule.BACKWARD
+F, B, W = schedule.FORWARD, schedule.BACKWARD, schedule.WEIGHT
 
 # The kinds of buffers: an edge's tensors ('data') and their gradients
-# ('grad'); a chunk's state before each call ('state') and what a call that
-# keeps its activations stashes for its backward ('stash').
-BUFFER_KINDS = ('data', 'grad', 'state', 'stash')
+# ('grad'); a chunk's state before each call ('state'), what a call that
+# keeps its activations stashes for its backward ('stash'), and, in a table
+# that splits the backward, what each backward stashes for its weight
+# gradient ('weight').
+BUFFER_KINDS = ('data', 'grad', 'state', 'stash', 'weight')
 
 
 class Edge(NamedTuple):
@@ -115,7 +117,7 @@ class Buffer:
 
   Attributes:
     kind: One of BUFFER_KINDS.
-    index: The edge ('data', 'grad') or chunk ('state', 'stash') it serves.
+    index: The edge ('data', 'grad') or chunk (the other kinds) it serves.
     device: The device it lives on.
     size: Its number of slots (a spare one is added by the engine, for the
       writes of ticks that write nothing).
@@ -165,17 +167,21 @@ class Instruction(NamedTuple):
       backward) instead of recomputing them there.
     state_slot: The slot of its chunk's state before the call.
     stash_slot: The slot of what a keeping call stashes (0 if none).
+    weight_slot: In a table that splits the backward, the slot of what a
+      backward stashes for its weight gradient, which reads it; else None.
     reads: (edge, slot) of each in-edge between chunks: where its inputs are.
     grad_reads: For a backward, (edge, slot) of each out-edge between
       chunks: where the gradients of its outputs are.
     writes: (edge, slot) of each out-edge whose buffer it fills: 'data' for
-      a forward, 'grad' (of the in-edges) for a backward.
+      a forward, 'grad' (of the in-edges) for a backward; none for a weight
+      gradient.
   """
   tick: int
   action: schedule.Action
   keeps: bool
   state_slot: int
   stash_slot: int
+  weight_slot: Optional[int]
   reads: Tuple[Tuple[int, int], ...]
   grad_reads: Tuple[Tuple[int, int], ...]
   writes: Tuple[Tuple[int, int], ...]
@@ -186,11 +192,14 @@ class Instruction(NamedTuple):
     return (self.action.phase, self.action.chunk, self.keeps)
 
   def __str__(self) -> str:
-    parts = [f'tick {self.tick}: {self.action}',
-             'keeps' if self.keeps else 'recomputes',
-             f'state slot {self.state_slot}']
+    parts = [f'tick {self.tick}: {self.action}']
+    if self.action.phase != W:
+      parts += ['keeps' if self.keeps else 'recomputes',
+                f'state slot {self.state_slot}']
     if self.keeps:
       parts.append(f'stash slot {self.stash_slot}')
+    if self.action.phase != F and self.weight_slot is not None:
+      parts.append(f'weight slot {self.weight_slot}')
     parts += [f'reads edge {e} slot {s}' for e, s in self.reads]
     parts += [f'reads the gradient of edge {e} slot {s}'
               for e, s in self.grad_reads]
@@ -279,8 +288,10 @@ class Step:
     self.recomputes = recomputes
     if not training:
       passes = [('forward', ForwardTicks(table))]
-    elif table.loss_outside:
-      passes = table.PhaseRuns()
+    elif table.loss_outside:  # Every forward precedes every other action.
+      passes = [(phase, tuple(t for t in table.ticks if any(t) and forward ==
+                              any(a.phase == F for a in t if a)))
+                for phase, forward in (('forward', True), ('backward', False))]
     else:
       passes = [('step', tuple(t for t in table.ticks if any(t)))]
     self.ticks = tuple(tick for _, ticks in passes for tick in ticks)
@@ -305,7 +316,7 @@ class Step:
     For an edge into the output, 'data' is on its writer's device; for the
     input edge, 'grad' on its reader's.
     """
-    if kind in ('state', 'stash'):
+    if kind in ('state', 'stash', 'weight'):
       return self.table.Device(e_or_c)
     edge = self.edges[e_or_c]
     chunk = edge.target if kind == 'data' else edge.source
@@ -338,6 +349,9 @@ class Step:
         live.setdefault(('state', c), {})[m] = span
         if not self.recomputes[c, m]:
           live.setdefault(('stash', c), {})[m] = span
+        if self.table.split_backward:
+          live.setdefault(('weight', c), {})[m] = (
+              span[1], when[schedule.Action(W, c, m)])
     for e, edge in enumerate(self.edges):
       if edge.target is None:
         fixed['data', e] = everyone
@@ -362,6 +376,10 @@ class Step:
 
   def _Instruction(self, tick: int, action: schedule.Action) -> Instruction:
     phase, c, m = action
+    weight_slot = (self.Slot('weight', c, m) if self.table.split_backward and
+                   self.training else None)
+    if phase == W:  # It reads its weight stash alone.
+      return Instruction(tick, action, False, 0, 0, weight_slot, (), (), ())
     keeps = self.training and not self.recomputes[c, m]
     reads = tuple((e, self.Slot('data', e, m))
                   for e, edge in enumerate(self.edges)
@@ -378,8 +396,8 @@ class Step:
                      for e, edge in enumerate(self.edges)
                      if edge.target == c and ('grad', e) in self.buffers)
     return Instruction(tick, action, keeps, self.Slot('state', c, m),
-                       self.Slot('stash', c, m) if keeps else 0, reads,
-                       grad_reads, writes)
+                       self.Slot('stash', c, m) if keeps else 0, weight_slot,
+                       reads, grad_reads, writes)
 
   def _Transfers(self) -> List[Transfer]:
     transfers = []

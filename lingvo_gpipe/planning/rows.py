@@ -30,8 +30,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 from lingvo_gpipe.planning import lowering
 
 # Per device, the fields of a row: the branch index, the micro-batch and the
-# slots of its chunk's state and stash buffers.
-DEVICE_FIELDS = ('branch', 'micro_batch', 'state_slot', 'stash_slot')
+# slots of its chunk's state, stash and weight stash buffers.
+DEVICE_FIELDS = ('branch', 'micro_batch', 'state_slot', 'stash_slot',
+                 'weight_slot')
 # Per edge, in a lockstep row: the slot its reader reads (data_read) and its
 # writer's backward reads (grad_read) at the tick, and the slot written
 # after the tick (data_write, grad_write; the spare slot when nothing was).
@@ -107,7 +108,8 @@ class Segment:
           (k, 'branch'): self.choices[k].index(instruction.key),
           (k, 'micro_batch'): instruction.action.micro_batch,
           (k, 'state_slot'): instruction.state_slot,
-          (k, 'stash_slot'): instruction.stash_slot})
+          (k, 'stash_slot'): instruction.stash_slot,
+          (k, 'weight_slot'): instruction.weight_slot or 0})
       for e, slot in instruction.reads:
         values['data_read', e] = slot
       for e, slot in instruction.grad_reads:
@@ -170,5 +172,6 @@ def DeviceRows(step: lowering.Step, k: int, ticks: Sequence[int]
     slots = dict(instruction.reads)
     rows.append([choices.index(instruction.key),
                  instruction.action.micro_batch, instruction.state_slot,
-                 instruction.stash_slot] + [slots.get(e, 0) for e in reads])
+                 instruction.stash_slot, instruction.weight_slot or 0] +
+                [slots.get(e, 0) for e in reads])
   return choices, fields, rows
