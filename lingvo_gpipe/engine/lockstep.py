@@ -10,7 +10,7 @@ slowest device is done. It runs anywhere: eagerly, inside `tf.function`,
 under XLA, in TF1 graphs.
 """
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import tensorflow as tf
 
@@ -33,13 +33,23 @@ _PER_CHUNK = ('state', 'saved_state', 'stash', 'weight_stash', 'd_state',
               'd_theta')
 
 
-def _Invariants(interp: interpreter_lib.Interpreter,
-                v: Dict[str, Any]) -> Dict[str, Any]:
-  """Shape invariants: buffers unknown, tensors their static shapes."""
+def _Invariants(interp: interpreter_lib.Interpreter, v: Dict[str, Any],
+                select: Callable[[str, List[Any]], List[Any]]
+               ) -> Dict[str, Any]:
+  """Shape invariants: buffers unknown, tensors their static shapes.
+
+  Args:
+    interp: The interpreter.
+    v: The loop's variables.
+    select: select(key, per-edge list): the entries of it the loop carries.
+
+  Returns:
+    The invariants, in the structure of v.
+  """
   invariants = tf.nest.map_structure(
       lambda t: tf.TensorShape(None) if isinstance(t, tf.TensorArray) else
       t.shape, v)
-  invariants.update({key: shapes for key, shapes in
+  invariants.update({key: select(key, shapes) for key, shapes in
                      transport_lib.Buffers.Invariants(interp).items()
                      if key in v})
   return invariants
@@ -110,19 +120,27 @@ def Run(interp: interpreter_lib.Interpreter, ticks: range,
     carried = {key for phase in segment.phases for key in _CHANGED[phase]}
     if interp.loss_inside:
       carried.discard('d_state')
-    # Chunks of devices with nothing to run in the segment are not carried
-    # either: XLA fails on loops that pass values through unchanged.
-    working = [c for k, choices in enumerate(segment.choices) if choices
-               for c in interp.Own(k)]
+    # Of the per-chunk and per-edge variables, only those the segment's
+    # instructions change are carried: XLA fails on some loops that pass a
+    # constant through unchanged (e.g. a weight-gradient sum still zero).
+    runs = {(phase, c) for choices in segment.choices
+            for phase, c, _ in choices}
+    changes = {key: sorted({c for phase, c in runs
+                            if key in interp.ChunkFields(phase)})
+               for key in _PER_CHUNK}
+    changes['sent'] = [e for e, edge in enumerate(interp.edges)
+                       if (F, edge.source) in runs]
+    changes['sent_grad'] = [e for e, edge in enumerate(interp.edges)
+                            if (B, edge.target) in runs]
 
-    def Select(key, values, working=working):
-      return [values[c] for c in working] if key in _PER_CHUNK else values
+    def Select(key, values, changes=changes):
+      return [values[c] for c in changes[key]] if key in changes else values
 
-    def Merge(key, values, working=working, v=v):
-      if key not in _PER_CHUNK:
+    def Merge(key, values, changes=changes, v=v):
+      if key not in changes:
         return values
       merged = list(v[key])
-      for c, value in zip(working, values):
+      for c, value in zip(changes[key], values):
         merged[c] = value
       return merged
 
@@ -162,7 +180,7 @@ def Run(interp: interpreter_lib.Interpreter, ticks: range,
         lambda counters, _, n=num_ticks: counters[0] < n, Body,
         (counters, loop_vars),
         shape_invariants=([tf.TensorShape([])] * num_devices,
-                          _Invariants(interp, loop_vars)),
+                          _Invariants(interp, loop_vars, Select)),
         # A tick starts when the previous one has ended, as the unlowered
         # While runs it; lowered loops would otherwise overlap ticks.
         parallel_iterations=1,

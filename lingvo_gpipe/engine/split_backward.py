@@ -210,8 +210,8 @@ class BackwardSplit:
     # The forward's outputs, from its trace (the engine's Chunk made it).
     results_of = stage.forward.get_concrete_function(
         list(theta), list(x), list(state), tf.TensorSpec([], tf.int64))
-    self._result_specs = [tf.TensorSpec(t.shape, t.dtype)
-                          for t in results_of.outputs]
+    self._result_specs = [tf.TensorSpec(t.shape, t.dtype) for t in
+                          tf.nest.flatten(results_of.structured_outputs)]
     self._output_grads = [stage_lib.IsDifferentiable(s)
                           for s in self._result_specs]
 
