@@ -13,7 +13,10 @@ with the target it is held to:
   1F1B against plain 1F1B at M = K = 2, each logical device one core;
 * 1F1B without re-materialization against GPipe: peak memory at M = 32
   (8 FC 1024 and a loss cell, K = 2, 256 rows per micro-batch), its growth
-  from M = 8 to 32, and the step at K = 2, M = 8 with default threads.
+  from M = 8 to 32, and the step at K = 2, M = 8 with default threads;
+* the zero-bubble schedules against 1F1B: 'zb1p' and 'zbv' steps at K = 2,
+  M = 4 (8 FC 1024 and a loss cell, batch 2048, each device one core), and
+  the peak of 'zb1p' at M = 8.
 
     comparisons = Comparisons()
     measured = runner_lib.MeasureTable(runner, Configs(comparisons), repeats)
@@ -133,6 +136,19 @@ def Comparisons(small: bool = False) -> List[Comparison]:
   comparisons.append(Comparison(
       "1F1B 'never' / GPipe 'always' step, K=2 M=8 (default threads)",
       'step_s', Loss(8, 'never', '1f1b'), Loss(8, 'always', 'gpipe'), 0.85))
+  # Zero bubble: the weight gradients fill 1F1B's bubble (8 FC and a loss
+  # cell, batch 2048, K = 2, M = 4, each logical device one core).
+  def ZeroBubble(schedule, micro=4, threads=1, steps=5):
+    return _Gpipe(8, big['dim'], big['batch'], micro, 'never', 2,
+                  schedule=schedule, threads=threads, steps=steps,
+                  virtual_stages=2 if schedule == 'zbv' else 1)
+  for name, target in (('zb1p', 0.92), ('zbv', 0.88)):
+    comparisons.append(Comparison(
+        f"{name} / 1F1B step, K=2 M=4 ('never', one core per device)",
+        'step_s', ZeroBubble(name), ZeroBubble('1f1b'), target))
+  comparisons.append(Comparison(
+      "zb1p / 1F1B peak, K=2 M=8 ('never')", 'peak_mib',
+      Loss(8, 'never', 'zb1p'), Loss(8, 'never', '1f1b'), 1.10))
   return comparisons
 
 

@@ -128,9 +128,10 @@ class TracedStep:
     devices: {stage: the devices its calls' kernels ran on}.
     occupancy: Step time, bubble fraction and utilization of the events.
     mean_durations: {phase: mean call time of each chunk (0.0: no call)}.
-    simulated: The simulator fed with the mean forward and recompute +
-      backward times (a recompute is timed as part of its backward call),
-      timed as the executor runs the step.
+    simulated: The simulator fed with the mean forward, recompute +
+      backward (a recompute is timed as part of its backward call) and, for
+      a table that splits the backward, weight-gradient times, timed as the
+      executor runs the step.
     table: The schedule table the step ran.
     executor: The loop engine's executor that ran the step, read from the
       trace ('lockstep' or 'per_device'); None for the unrolled engine.
@@ -180,10 +181,14 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
   # share the host's cores. A recompute is timed as part of its backward call
   # (measured, it is not just another forward). Lockstep ticks only for the
   # lockstep executor: per-device loops wait only for what they receive.
+  # A split backward's B and W are timed apart: backward_costs holds both,
+  # weight_costs the W part.
   simulated = simulate.Simulate(
       table, means['forward'],
-      [r + b for r, b in zip(means['recompute'], means['backward'])],
-      'never', lockstep=executor == 'lockstep')
+      [r + b + w for r, b, w in zip(means['recompute'], means['backward'],
+                                    means['weight'])],
+      'never', lockstep=executor == 'lockstep',
+      weight_costs=means['weight'] if table.split_backward else None)
   return TracedStep(events, devices,
                     simulate.StageOccupancy(events, num_stages), means,
                     simulated, table, executor)

@@ -445,7 +445,11 @@ def _WriteOutputs(events: Sequence[simulate.Event], num_stages: int,
 
 
 def _Bubble(num_stages: int, num_micro: int, bubble: float) -> str:
-  """The bubble fraction next to the closed form (K - 1) / (M v + K - 1)."""
+  """The bubble fraction next to GPipe's closed form (K - 1) / (M v + K - 1).
+  """
+  if schedule.CheckSchedule(FLAGS.schedule).split_backward:
+    return (f'bubble fraction: {bubble:.4f} (GPipe\'s closed form does not '
+            f'hold: {FLAGS.schedule} moves weight gradients into the bubble)')
   closed = schedule.BubbleFraction(num_stages, num_micro,
                                    FLAGS.virtual_stages)
   return (f'bubble fraction: {bubble:.4f} (closed form (K-1)/(M v+K-1) = '
@@ -627,18 +631,19 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   print(f'step time (first to last call): '
         f'{occupancy.step_time * factor:.4g} {unit}')
   print(_Bubble(num_stages, num_micro, occupancy.bubble_fraction))
-  print('Order of calls per stage (F forward, R recompute, B backward; '
-        '<chunk>.<micro-batch>):')
+  print('Order of calls per stage (F forward, R recompute, B backward, W '
+        'weight gradient; <chunk>.<micro-batch>):')
   for k in range(num_stages):
     order = ' '.join(f'{e.phase[0].upper()}{e.chunk}.{e.micro_batch}'
                      for e in events if e.stage == k)
     print(f'  stage {k}: {order}')
-  print(f'chunk  stage  mean forward  mean recompute  mean backward ({unit})')
+  print(f'chunk  stage  mean forward  mean recompute  mean backward  '
+        f'mean weight ({unit})')
   for c in range(traced.table.num_chunks):
     cells = [f'{means[phase][c] * factor:.4g}' if means[phase][c] else '-'
              for phase in schedule.PHASES]
     print(f'{c:5d}  {traced.table.Device(c):5d}  {cells[0]:>12}  '
-          f'{cells[1]:>14}  {cells[2]:>13}')
+          f'{cells[1]:>14}  {cells[2]:>13}  {cells[3]:>11}')
   print('stage  utilization  devices')
   for k in range(num_stages):
     print(f'{k:5d}  {occupancy.utilization[k]:11.3f}  '
