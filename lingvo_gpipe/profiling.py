@@ -2,9 +2,10 @@
 
 `ProfileCells` gives the planner (`planning.search`) each cell's
 `planning.profile.CellProfile`: forward, backward and optimizer-update time
-on micro-batches of two sizes, the activation bytes its backward keeps, the
-workspace of its running backward, its output, weight, gradient and
-optimizer-slot bytes. Two cells, one timed run per part:
+on micro-batches of two sizes, the part of the backward its weight gradients
+take and what they read (for schedules that split the backward), the
+activation bytes its backward keeps, the workspace of its running backward,
+its output, weight, gradient and optimizer-slot bytes. Two cells, one timed run per part:
 
     >>> from lingvo.core import layers
     >>> cells = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=8,
@@ -19,6 +20,8 @@ optimizer-slot bytes. Two cells, one timed run per part:
     ('fc0', 288.0, 576.0, 32.0)
     >>> fc0.forward_s(32) > 0, fc0.update_s > 0
     (True, True)
+    >>> fc0.weight_stash_bytes  # Its input and output gradient, per example.
+    64.0
 
 A time is the fastest of its timed runs, not the median that partition costs
 take (`lingvo_gpipe.costs`): the parts of a cell (forward, forward +
@@ -37,9 +40,13 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from lingvo import compat as tf
 from lingvo.core import base_layer
+from lingvo.core import py_utils
 import numpy as np
 
+from lingvo_gpipe import cells as cells_lib
 from lingvo_gpipe import costs
+from lingvo_gpipe.engine import split_backward
+from lingvo_gpipe.engine import stage as stage_lib
 from lingvo_gpipe.planning import profile as profile_lib
 from lingvo_gpipe.planning import timing
 
@@ -70,6 +77,10 @@ class CellRun(NamedTuple):
   Attributes:
     forward_s: Seconds of the forward pass (beyond a session call).
     backward_s: Seconds of forward + backward, minus forward_s.
+    weight_s: The part of backward_s that the weight gradients take:
+      forward + backward minus forward + input gradients.
+    weight_stash_bytes: Bytes a split backward stashes from its input
+      gradients (B) for its weight gradients (W): `split_backward`'s cut.
     update_s: Seconds of the optimizer update of its variables, on fed
       gradients (0 without an optimizer).
     workspace_bytes: The most bytes the kernels of forward + backward held at
@@ -92,6 +103,8 @@ class CellRun(NamedTuple):
   """
   forward_s: float
   backward_s: float
+  weight_s: float
+  weight_stash_bytes: float
   update_s: float
   workspace_bytes: float
   kept_workspace_bytes: float
@@ -101,6 +114,29 @@ class CellRun(NamedTuple):
   gradient_bytes: float
   slot_bytes: float
   outputs: Any
+
+
+def _WeightStashBytes(layer: base_layer.BaseLayer, args: Any) -> float:
+  """What W of the cell's split backward reads from B, in bytes.
+
+  The cut of the loop engine (`split_backward.BackwardSplit`) of a chunk
+  that is this cell alone.
+
+  Args:
+    layer: The cell, in the current graph.
+    args: Its FProp arguments (placeholders, None or nests).
+
+  Returns:
+    The bytes of the weight stash of one call.
+  """
+  name = layer.params.name
+  stage = stage_lib.Stage(cells_lib.StageFunction([layer]), name, device='')
+  theta = stage.FlattenTheta(py_utils.NestedMap({name: layer.theta}))
+  x, state = stage.FlattenCall(
+      tuple(args), py_utils.NestedMap({name: layer.GetAccumulatorValues()}))
+  split = split_backward.BackwardSplit(stage, theta, x, state)
+  return sum(_Bytes(s.shape.as_list(), s.dtype)
+             for s in split.weight_stash_specs)
 
 
 def _Bytes(shape: Sequence[int], dtype: Any) -> float:
@@ -184,7 +220,8 @@ def ProfileCell(cell: base_layer.BaseLayer,
   update and a session call that does nothing run in turns, `num_warmup`
   turns untimed, then `num_runs` timed; each time is the fastest run minus
   the empty call's (a real step pays the session call once, not per cell),
-  and backward = forward + backward - forward.
+  backward = forward + backward - forward, and the weight gradients' part of
+  it = forward + backward - (forward + input gradients).
 
   Args:
     cell: An instantiated Lingvo layer.
@@ -219,6 +256,9 @@ def ProfileCell(cell: base_layer.BaseLayer,
     forward_step = costs.RunTargets(fetched)
     grad_step = costs.RunTargets([g for g in grads if g is not None])
     backward_step = costs.RunTargets(fetched) + grad_step
+    input_step = costs.RunTargets(fetched) + costs.RunTargets(
+        [g for g in grads[len(trainable):] if g is not None])
+    weight_stash_bytes = _WeightStashBytes(layer, args)
     update_step, slot_bytes = None, 0.0
     if optimizer_fn is not None and weight_grads:
       # The update on fed gradients: timed alone, not as a difference.
@@ -244,15 +284,15 @@ def ProfileCell(cell: base_layer.BaseLayer,
       })
       # The first is a run that does nothing with the same feeds: the cost
       # of a session call, which a real step pays once, not once per cell.
-      steps = [nothing, forward_step, backward_step]
+      steps = [nothing, forward_step, backward_step, input_step]
       if update_step is not None:
         steps.append(update_step)
       fastest = _InterleavedFastest(
           [lambda step=step: sess.run(step, feed_dict=feed) for step in steps],
           num_warmup, num_runs)
       work = [max(t - fastest[0], 0.0) for t in fastest[1:]]
-      forward_s, both_s = work[:2]
-      update_s = work[2] if update_step is not None else 0.0
+      forward_s, both_s, input_s = work[:3]
+      update_s = work[3] if update_step is not None else 0.0
       # Traced without fetching the outputs: what the backward does not read
       # is released as it would be in a pipeline. The order of kernels that
       # may run in parallel changes the peaks (see TRACED_RUNS).
@@ -276,6 +316,8 @@ def ProfileCell(cell: base_layer.BaseLayer,
   return CellRun(
       forward_s=forward_s,
       backward_s=max(both_s - forward_s, 0.0),
+      weight_s=max(both_s - max(input_s, forward_s), 0.0),
+      weight_stash_bytes=weight_stash_bytes,
       update_s=update_s,
       workspace_bytes=max(min(step_peaks) - max(kept) - gradient_bytes, 0.0),
       kept_workspace_bytes=max(min(backward_peaks) - gradient_bytes, 0.0),
@@ -403,6 +445,8 @@ def ProfileCells(cells: Sequence[base_layer.BaseLayer],
         name=cell.params.name,
         forward_s=Affine.Fit(sizes, [r.forward_s for r in cell_runs]),
         backward_s=Affine.Fit(sizes, [r.backward_s for r in cell_runs]),
+        weight_s=Affine.Fit(sizes, [r.weight_s for r in cell_runs]),
+        weight_stash_bytes=last.weight_stash_bytes / largest,
         update_s=float(np.median([r.update_s for r in cell_runs])),
         activation_bytes=last.kept_bytes / largest,
         workspace_bytes=Affine.Fit(

@@ -298,3 +298,21 @@ def testLingvoLanguageModelCellsMatch1F1B():
   engine_util.AssertTransparent(_LmLossAndGradients('zb1p', 2, 1), reference)
   reference = _LmLossAndGradients('1f1b', 2, 2)
   engine_util.AssertTransparent(_LmLossAndGradients('zbv', 2, 2), reference)
+
+
+def testProfileCountsWhatTheSplitKeeps():
+  """The planner's profile of a Lingvo cell: its weight stash is the cut's
+  (an FC layer: its input and its pre-activation gradient, 4 + 6 floats an
+  example), and the weight gradients' time is a part of the backward's."""
+  from lingvo.core import layers as lingvo_layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import profiling  # pylint: disable=g-import-not-at-top
+  cell = lingvo_layers.FCLayer.Params().Set(
+      name='fc', input_dim=4, output_dim=6).Instantiate()
+  (fc,), _ = profiling.ProfileCells(
+      [cell], (np.ones([8, 4], np.float32),), batch_dim=0,
+      micro_batch_sizes=[4, 8], num_warmup=1, num_runs=2)
+  assert fc.weight_stash_bytes == 4 * (4 + 6)
+  run = profiling.ProfileCell(cell, (np.ones([8, 4], np.float32),),
+                              num_warmup=1, num_runs=2)
+  assert run.weight_stash_bytes == 8 * 4 * (4 + 6)
+  assert 0 <= run.weight_s <= run.backward_s
