@@ -103,12 +103,17 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
         "from_cell's device to to_cell's directly.")
     p.Define(
         'schedule', 'gpipe', "The order of the step: 'gpipe' (all forwards, "
-        "the loss after the pipeline, all backwards) or '1f1b' (the last "
+        "the loss after the pipeline, all backwards), '1f1b' (the last "
         'cell returns the loss of its micro-batch, a float scalar, and '
         'optionally more scalars as metrics; each backward runs as soon as '
         'its forward reaches the loss, so stage k holds at most K - k '
         'micro-batches; FProp returns the mean of each output over the '
-        "micro-batches; interleaved when virtual_stages > 1; engine 'loop').")
+        "micro-batches; interleaved when virtual_stages > 1; engine 'loop'), "
+        "'zb1p' (zero bubble ZB-H1: 1F1B with each backward split into "
+        'input gradients and weight gradients, the latter deferred into the '
+        "bubbles; virtual_stages=1) or 'zbv' (zero bubble ZB-V: "
+        'virtual_stages=2, chunks c and 2K - 1 - c on device c, the backward '
+        "split); the zero bubble ones take the loss as '1f1b' does.")
     return p
 
   @classmethod

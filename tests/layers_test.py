@@ -374,6 +374,12 @@ def testPartitionPlanIsLoggedOnce(partition, num_stages, logged_at_init,
           num_micro_batches=3), 'num_micro_batches=3 with '
      "schedule='1f1b' and virtual_stages=2 must be a multiple of "
      'num_stages=2'),
+    (dict(num_stages=2, schedule='zbv'), "virtual_stages=1 is not "
+     "supported with schedule='zbv'"),
+    (dict(num_stages=2, virtual_stages=2, schedule='zb1p'),
+     "virtual_stages=2 is not supported with schedule='zb1p'"),
+    (dict(engine='unrolled', schedule='zb1p'),
+     "schedule='zb1p' is not supported with engine='unrolled'"),
     (dict(cell_tpl=test_util.FCCells(1) + [
         test_util.layers.FCLayer.Params().Set(name='', input_dim=8,
                                               output_dim=8)]),
