@@ -88,22 +88,31 @@ RUNS = {
         '--memory_per_device=20KiB', '--baselines',
         '--json_out={tmp}/auto_fc.json', '--profile_out={tmp}/fc_prof.json'
     ],
-    'auto_nothing_fits': [
-        'auto', '--model=benchmarks.fc_model.FcStackTiny', '--num_devices=2',
-        '--memory_per_device=1KiB', '--json_out={tmp}/auto_none.json'
-    ],
     'auto_bad_memory': [
         'auto', '--model=lm.GPipeCharLmTiny', '--num_devices=2',
         '--memory_per_device=lots'
     ],
     'auto_no_model': ['auto', '--num_devices=2', '--memory_per_device=1GiB'],
 }
+# Runs that read what a run of RUNS wrote, started when those have ended.
+AFTER = {
+    # auto_fc's saved profile, reused (no worker): the same model and devices
+    # with a budget nothing fits.
+    'auto_nothing_fits': [
+        'auto', '--model=benchmarks.fc_model.FcStackTiny', '--num_devices=2',
+        '--memory_per_device=1KiB', '--profile_in={tmp}/fc_prof.json',
+        '--json_out={tmp}/auto_none.json'
+    ],
+}
 
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  return tool_util.RunToolInParallel(
-      'plan.py', RUNS, str(tmp_path_factory.mktemp('plan')), timeout=300)
+  tmp = str(tmp_path_factory.mktemp('plan'))
+  results = tool_util.RunToolInParallel('plan.py', RUNS, tmp, timeout=300)
+  results.update(tool_util.RunToolInParallel('plan.py', AFTER, tmp,
+                                             timeout=300))
+  return results
 
 
 def _Summary(stdout):
@@ -324,9 +333,9 @@ def testTimelineOfTheLoopEngine(runs, name, order):
                               numbers['num_micro_batches'],
                               numbers['virtual_stages'])
   # Every call of the table, once per phase (a recompute unless remat is
-  # 'never').
+  # 'never'; these tables do not split the backward, so no weight phase).
   phases = ('forward', 'backward') if numbers['remat'] == 'never' else (
-      schedule.PHASES)
+      'forward', 'recompute', 'backward')
   calls = sorted((e['chunk'], e['micro_batch'], e['phase'])
                  for e in numbers['events'])
   assert calls == sorted(
@@ -419,7 +428,7 @@ def testAutoRanksEveryCandidateAndBaselines(runs):
           defaults['remat'], defaults['partition']) == (2, 1, 'always',
                                                         [2, 2])
   assert 'Baselines (predicted):' in stdout
-  # The profile is reusable: --profile_in gives the same ranking.
+  # The profile is reusable: testAutoNothingFits reads it (--profile_in).
   with open(os.path.join(runs['tmp'], 'fc_prof.json')) as f:
     profile = json.load(f)
   assert [c['name'] for c in profile['cells']] == ['fc0', 'fc1', 'fc2', 'fc3']
@@ -444,3 +453,20 @@ def testAutoNothingFits(runs):
   smallest = min(c['predicted_peak_bytes'] for c in numbers['candidates'])
   assert f'the smallest predicted peak is {smallest:.0f} bytes' in errors[0]
   assert 'rank' in stdout  # The table is printed all the same.
+  # The profile came from auto_fc's --profile_out, not from a worker, and
+  # predicts what it predicted there for every candidate.
+  assert 'Profiling' not in stdout
+  with open(os.path.join(runs['tmp'], 'fc_prof.json')) as f:
+    assert numbers['profile'] == json.load(f)
+  with open(os.path.join(runs['tmp'], 'auto_fc.json')) as f:
+    reference = json.load(f)['candidates']
+  assert _Predictions(numbers['candidates']) == _Predictions(reference)
+
+
+def _Predictions(candidates):
+  """{candidate's shape: (predicted step, predicted peak)}."""
+  return {
+      json.dumps([c[k] for k in _CANDIDATE_KEYS[:7]]): (
+          c['predicted_step_s'], c['predicted_peak_bytes'])
+      for c in candidates
+  }
