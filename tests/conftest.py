@@ -6,6 +6,7 @@ statistics whether or not oneDNN is on), and the tests' subprocesses inherit
 it; TF_ENABLE_ONEDNN_OPTS stays as the caller set it.
 """
 
+import collections
 import os
 
 from benchmarks import host
@@ -49,18 +50,56 @@ def _NoGlobalSeedAfterTheTest():
   tf.random.set_seed(None)
 
 
+# The files that take longest in `make test`, longest first: their
+# subprocess fixtures (train_test 200 s of CPU, benchmark_test 160 s,
+# plan_test 100 s on the AMD EPYC host of docs/install.md) and the longest
+# in-process files (1.5 to 3 min each next to them), measured 2026-12-07.
+LONGEST_FILES = (
+    'train_test.py', 'benchmark_test.py', 'sparse_gradients_test.py',
+    'layers_test.py', 'plan_test.py', 'pipeline_test.py', 'docs_test.py',
+    'unet_params_test.py', 'stacks_test.py', 'keras_layer_test.py',
+)
+
+
+def pytest_configure(config):
+  """Keeps the file order of `pytest_collection_modifyitems` under xdist.
+
+  pytest-xdist (3.x) hands `--dist loadfile` files to its processes in
+  descending number of tests unless told otherwise (`--loadscope-reorder`,
+  on by default), which put the minute-long files with few tests (the tool
+  and training runs, the parameter sets) at the end, one process running
+  them alone.
+
+  Args:
+    config: pytest's config (of the controlling process under xdist).
+  """
+  if getattr(config.option, 'loadscopereorder', False):
+    config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
-  """Runs the files that hold `slow` tests first, the others after them.
+  """Runs the longest files first, then the other slow ones, then the rest.
 
   `make test` spreads whole files over two processes (pytest-xdist's
-  `--dist loadfile`) in collection order. The files with slow tests (tool
-  subprocesses, training runs: minutes each) come last in name order, and a
-  process that takes one of them at the end keeps running long after the
-  other has finished; started first, the many quick files fill in behind
-  them. The order of the tests within each file is kept.
+  `--dist loadfile`) in collection order (see `pytest_configure`). A process
+  that takes a long file at the end keeps running long after the other has
+  finished; started first, the long files run side by side and the many
+  quick files fill in behind them: `LONGEST_FILES` in their order, then the
+  other files with `slow` tests (tool subprocesses, training runs) in name
+  order, then the others, those with the most tests first. The order of the
+  tests within each file is kept.
 
   Args:
     items: The collected tests, reordered in place.
   """
+  counts = collections.Counter(item.path for item in items)
   slow_files = {item.path for item in items if item.get_closest_marker('slow')}
-  items.sort(key=lambda item: item.path not in slow_files)
+
+  def Key(item):
+    if item.path.name in LONGEST_FILES:
+      return (0, LONGEST_FILES.index(item.path.name))
+    if item.path in slow_files:
+      return (1, 0)
+    return (2, -counts[item.path])
+
+  items.sort(key=Key)  # Stable: ties keep the collection order.
