@@ -28,7 +28,7 @@ files of models that differ only in the pipeline shape).
 """
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from absl import logging
 import keras
@@ -46,6 +46,28 @@ from lingvo_gpipe.planning import schedule as schedule_lib
 def _LogPlan(plan: str) -> None:
   """Logs a partition plan at INFO, as a record of this module."""
   logging.info('%s', plan)
+
+
+def _LossInsideSchedules() -> List[str]:
+  """The schedules that compute the loss inside the pipeline."""
+  return [name for name, schedule in schedule_lib.SCHEDULES.items()
+          if schedule.loss_inside]
+
+
+def _IsShapePair(input_shape: Any) -> bool:
+  """Whether `input_shape` is two shapes (inputs, labels), not one shape."""
+  return (isinstance(input_shape, (tuple, list)) and len(input_shape) == 2 and
+          all(isinstance(s, (tuple, list)) for s in input_shape))
+
+
+def _Describe(inputs: Any) -> str:
+  """A short description of a call's inputs for an error message."""
+  if isinstance(inputs, (tuple, list)):
+    return (f'{type(inputs).__name__} of {len(inputs)}: ' +
+            ', '.join(_Describe(x) for x in inputs))
+  if hasattr(inputs, 'shape'):
+    return f'{type(inputs).__name__} of shape {tuple(inputs.shape)}'
+  return type(inputs).__name__
 
 
 def _CheckLayers(layers: Any) -> List[keras.layers.Layer]:
@@ -85,6 +107,11 @@ class GPipeSequential(keras.layers.Layer):
     num_stages: K.
     partition: Layers per chunk (K v ints), None until a 'params' or
       'profile' partition is decided (at build, or at the first call).
+    loss_inside: Whether the schedule computes the loss inside the pipeline
+      ('1f1b', 'zb1p', 'zbv'): the layer then takes (inputs, labels) and
+      returns the mean loss.
+    loss: The `keras.losses.Loss` each micro-batch's last chunk applies
+      (`stages.MeanLoss` of the loss given), or None.
   """
 
   def __init__(self,
@@ -98,6 +125,7 @@ class GPipeSequential(keras.layers.Layer):
                schedule: str = 'gpipe',
                virtual_stages: int = 1,
                micro_batch_size: Optional[int] = None,
+               loss: Any = None,
                **kwargs):
     """Checks the pipeline's parameters; nothing is built yet.
 
@@ -122,11 +150,18 @@ class GPipeSequential(keras.layers.Layer):
       engine: 'unrolled', 'loop' or 'auto' ('loop' for a schedule with the
         loss inside and under XLA, else the engine that costs less over a
         training run, `planning.schedule.ChooseEngine`); see docs/engines.md.
-      schedule: A key of `planning.schedule.SCHEDULES`.
+      schedule: A key of `planning.schedule.SCHEDULES`. 'gpipe' runs the
+        layers before the loss; '1f1b', 'zb1p' and 'zbv' compute `loss`
+        inside the pipeline (docs/keras.md#the-loss-inside-the-pipeline).
       virtual_stages: v, chunks per device (circular pipeline): K v chunks,
         chunk c on device c mod K.
       micro_batch_size: Alternative to num_micro_batches: the size of one
         micro-batch (needs a static batch size).
+      loss: With a schedule that computes the loss inside the pipeline, and
+        only then: a `keras.losses.Loss` with a mean reduction, a loss name
+        (`keras.losses.get`) or a callable (y_true, y_pred) -> loss (reduced
+        to its mean, as `model.compile` does). The layer is then called on
+        (inputs, labels) and returns the mean loss.
       **kwargs: keras.layers.Layer arguments (name, dtype, trainable).
 
     Raises:
@@ -143,11 +178,19 @@ class GPipeSequential(keras.layers.Layer):
         [layer.name for layer in layers], num_stages, virtual_stages,
         partition, num_micro_batches, micro_batch_size, 0, remat, engine,
         schedule, cells_param='layers')
-    if schedule_lib.CheckSchedule(schedule).loss_inside:
+    self.loss_inside = schedule_lib.CheckSchedule(schedule).loss_inside
+    if self.loss_inside and loss is None:
       raise ValueError(
-          f'schedule={schedule!r} computes the loss inside the pipeline, '
-          'which GPipeSequential (a layer before the loss) cannot; use '
-          "schedule='gpipe'.")
+          f'schedule={schedule!r} computes the loss inside the pipeline: give '
+          'loss= (e.g. keras.losses.SparseCategoricalCrossentropy()) and '
+          "call the layer on (inputs, labels), or use schedule='gpipe'.")
+    if loss is not None and not self.loss_inside:
+      raise ValueError(
+          f'loss={loss!r} needs a schedule that computes the loss inside the '
+          f"pipeline ({_LossInsideSchedules()}); schedule={schedule!r} runs "
+          'the layers before the loss: compute it outside, or drop loss=.')
+    self.loss = None if loss is None else stages.MeanLoss(loss)
+    self._loss_arg = loss
     placement.CheckDevices(devices, shape.num_stages)
     stages.CheckLayers(layers)
     self._layers_list = layers
@@ -198,6 +241,7 @@ class GPipeSequential(keras.layers.Layer):
         'schedule': self.schedule,
         'virtual_stages': self.virtual_stages,
         'micro_batch_size': self.micro_batch_size,
+        'loss': keras.saving.serialize_keras_object(self._loss_arg),
     })
     return base
 
@@ -206,14 +250,19 @@ class GPipeSequential(keras.layers.Layer):
     config_dict = dict(config_dict)
     config_dict['layers'] = [keras.saving.deserialize_keras_object(layer)
                              for layer in config_dict['layers']]
+    if isinstance(config_dict.get('loss'), dict):
+      config_dict['loss'] = keras.losses.get(config_dict['loss'])
     return cls(**config_dict)
 
   def build(self, input_shape) -> None:
     """Builds the layers in order, as keras.Sequential does.
 
     Args:
-      input_shape: The first layer's input shape (batch dimension included).
+      input_shape: The first layer's input shape (batch dimension included);
+        with the loss inside, that shape or (that shape, the labels' shape).
     """
+    if self.loss_inside and _IsShapePair(input_shape):
+      input_shape = input_shape[0]
     x = keras.KerasTensor(input_shape, dtype=self.input_dtype)
     for layer in self._layers_list:
       x = layer(x)
@@ -221,10 +270,24 @@ class GPipeSequential(keras.layers.Layer):
         lambda: costs_lib.ParamCounts(self._layers_list))
 
   def compute_output_spec(self, inputs, training=None):
-    del training  # The output's shape and dtype do not depend on it.
-    x = inputs
+    """The last layer's output spec; with the loss inside, a float scalar.
+
+    Args:
+      inputs: A KerasTensor, or with the loss inside (inputs, labels).
+      training: Unused: the output's shape and dtype do not depend on it.
+
+    Returns:
+      A KerasTensor.
+
+    Raises:
+      ValueError: for inputs of the wrong structure (`_LossInputs`).
+    """
+    del training
+    x = self._LossInputs(inputs)[0] if self.loss_inside else inputs
     for layer in self._layers_list:
       x = layer.compute_output_spec(x)
+    if self.loss_inside:
+      return keras.KerasTensor((), dtype=self.loss.dtype)
     return x
 
   def _MicroBatchCosts(self, x: tf.Tensor, num_micro: int) -> List[float]:
@@ -274,23 +337,59 @@ class GPipeSequential(keras.layers.Layer):
     """
     return self._pipelined_call.Engine(num_micro_batches, self.StageDevices())
 
+  def _LossInputs(self, inputs) -> Tuple[Any, Any]:
+    """(x, labels) of a call with the loss inside.
+
+    Args:
+      inputs: The call's inputs (tensors or KerasTensors).
+
+    Returns:
+      (x, labels).
+
+    Raises:
+      ValueError: unless `inputs` is a pair whose batch sizes agree.
+    """
+    if not (isinstance(inputs, (tuple, list)) and len(inputs) == 2 and
+            all(hasattr(t, 'shape') and len(t.shape) for t in inputs)):
+      raise ValueError(
+          f'{self.name} computes the loss inside the pipeline (schedule='
+          f'{self.schedule!r}) and takes (inputs, labels), two tensors with '
+          f'the batch on axis 0; got {_Describe(inputs)}.')
+    x, labels = inputs
+    if None not in (x.shape[0], labels.shape[0]) and (x.shape[0] !=
+                                                      labels.shape[0]):
+      raise ValueError(
+          f'{self.name}: the inputs ({x.shape[0]} examples, shape '
+          f'{tuple(x.shape)}) and labels ({labels.shape[0]}, shape '
+          f'{tuple(labels.shape)}) must have the same batch size on axis 0.')
+    return x, labels
+
   @tf.autograph.experimental.do_not_convert
   def call(self, inputs, training=None):
     """Runs the layers as a pipeline.
 
     Args:
-      inputs: One tensor, the first layer's input; axis 0 is the batch.
+      inputs: One tensor, the first layer's input; axis 0 is the batch. With
+        the loss inside: (that tensor, the labels), the loss's y_true.
       training: Passed to every layer that takes it; also whether the call
-        is set up for a backward pass (recompute).
+        is set up for a backward pass (recompute). With the loss inside,
+        False runs the forward passes alone (no gradients: give True to
+        train).
 
     Returns:
-      The last layer's output, merged back into the mini-batch.
+      The last layer's output, merged back into the mini-batch; with the
+      loss inside, the mean over micro-batches of their losses (float
+      scalar), whose gradients the pipeline computed.
 
     Raises:
-      ValueError: if the input is not one tensor or does not split into M
-        micro-batches.
+      ValueError: if the input is not one tensor (with the loss inside, a
+        pair `_LossInputs` accepts) or does not split into M micro-batches.
     """
-    if not tf.is_tensor(inputs):
+    if self.loss_inside:
+      inputs = list(self._LossInputs(inputs))
+    elif tf.is_tensor(inputs):
+      inputs = [inputs]
+    else:
       raise ValueError(
           f'{self.name} takes one tensor, as keras.Sequential does; got '
           f'{type(inputs).__name__}.')
@@ -298,15 +397,20 @@ class GPipeSequential(keras.layers.Layer):
       raise ValueError(f'training={training!r} must be True, False or None.')
     training = bool(training)
     num_micro = self._pipelined_call.Prepare(
-        [inputs], training, functools.partial(self._MicroBatchCosts, inputs))
-    if inputs.shape[0] is None and num_micro > 1:
-      inputs = self._CheckDynamicSplit(inputs, num_micro)
+        inputs, training, functools.partial(self._MicroBatchCosts, inputs[0]))
+    if inputs[0].shape[0] is None and num_micro > 1:
+      inputs[0] = self._CheckDynamicSplit(inputs[0], num_micro)
     chunks = [stages.Chunk(layers) for layers in
               config.ChunkCells(self._layers_list, self.partition)]
+    stage_fns = [chunk.StageFunction(training) for chunk in chunks]
+    if self.loss_inside:
+      stage_fns = [stages.CarryLabels(fn, self.loss if c == len(chunks) - 1
+                                      else None)
+                   for c, fn in enumerate(stage_fns)]
     (outputs,), final_states = self._pipelined_call.Run(
-        [chunk.StageFunction(training) for chunk in chunks],
-        self.StageDevices(), [chunk.Theta() for chunk in chunks], [inputs],
-        [chunk.InitialState() for chunk in chunks], num_micro, training)
+        stage_fns, self.StageDevices(), [chunk.Theta() for chunk in chunks],
+        inputs, [chunk.InitialState() for chunk in chunks], num_micro,
+        training)
     if training:
       for chunk, state in zip(chunks, final_states):
         chunk.ApplyUpdates(state)

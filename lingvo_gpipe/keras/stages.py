@@ -43,16 +43,26 @@ step's) sees a batch of 1, 3, 5, 7 in two micro-batches:
     >>> chunk.ApplyUpdates(state)
     >>> norm.moving_mean.numpy().tolist(), norm.moving_variance.numpy().tolist()
     ([4.0, 4.0], [5.0, 5.0])
+
+With the loss inside the pipeline (schedules '1f1b', 'zb1p', 'zbv'),
+`CarryLabels` wraps each chunk's stage function: the labels travel with the
+micro-batch from chunk to chunk, and the last chunk returns the micro-batch's
+mean loss (`MeanLoss`) instead of its output.
 """
 
 import contextlib
 import inspect
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 import keras
 import tensorflow as tf
 
 from lingvo_gpipe.engine import moments as moments_lib
+
+# Keras loss reductions that return the mean over the examples (the first is
+# Keras' default); the pipeline's mean over micro-batches keeps it.
+_MEAN_REDUCTIONS = ('sum_over_batch_size', 'mean', 'mean_with_sample_weight')
 
 
 def SubLayers(layer: keras.layers.Layer) -> List[keras.layers.Layer]:
@@ -382,3 +392,94 @@ class Chunk:
         old = tf.cast(moving, tf.float32)
         updated = old * bn.momentum + acc[row] * (1.0 - bn.momentum)
         moving.assign(tf.cast(tf.where(seen, updated, old), moving.dtype))
+
+
+class _MeanOf(keras.losses.Loss):
+  """A (y_true, y_pred) callable as a Keras loss: the mean of what it returns.
+
+  What `model.compile(loss=fn)` makes of a function (Keras' private
+  LossFunctionWrapper): reduction 'sum_over_batch_size', so a per-example
+  result becomes its mean and a scalar stays as it is.
+  """
+
+  def __init__(self, fn: Callable[[Any, Any], Any]):
+    name = getattr(fn, '__name__', '')  # '<lambda>' is no scope name.
+    super().__init__(
+        name=name if name.isidentifier() and name[0] != '_' else 'loss')
+    self._fn = fn
+
+  def call(self, y_true, y_pred):
+    return self._fn(y_true, y_pred)
+
+
+def MeanLoss(loss: Any) -> keras.losses.Loss:
+  """The loss a pipeline with the loss inside applies to each micro-batch.
+
+  The pipeline returns the mean over micro-batches of each micro-batch's
+  loss, which is the mini-batch's loss only if each micro-batch's loss is a
+  mean over its examples.
+
+  Args:
+    loss: A `keras.losses.Loss` with a mean reduction, a name or config that
+      `keras.losses.get` resolves, or a callable (y_true, y_pred) -> loss,
+      reduced to its mean as `model.compile` does.
+
+  Returns:
+    A `keras.losses.Loss` that returns a scalar mean.
+
+  Raises:
+    ValueError: if `loss` is none of these, or sums (reduction 'sum') or does
+      not reduce (None, 'none').
+  """
+  try:
+    resolved = keras.losses.get(loss) if isinstance(loss, (str, dict)) else loss
+  except (ValueError, TypeError) as e:
+    raise ValueError(f'loss={loss!r} is not a Keras loss: {e}') from e
+  if isinstance(resolved, keras.losses.Loss):
+    if resolved.reduction not in _MEAN_REDUCTIONS:
+      raise ValueError(
+          f'loss={loss!r} has reduction={resolved.reduction!r}; the pipeline '
+          'returns the mean of the micro-batches\' losses, which is the '
+          "mini-batch's loss only for a mean: use reduction="
+          f'{_MEAN_REDUCTIONS[0]!r}.')
+    return resolved
+  if not callable(resolved):
+    raise ValueError(
+        f'loss={loss!r} must be a keras.losses.Loss, a loss name or a '
+        'callable (y_true, y_pred) -> loss.')
+  return _MeanOf(resolved)
+
+
+def CarryLabels(
+    stage_fn: Callable[..., Tuple[Tuple[tf.Tensor], Any]],
+    loss: Optional[keras.losses.Loss] = None
+) -> Callable[..., Tuple[Tuple[tf.Tensor, ...], Any]]:
+  """A chunk's stage function when the labels travel with the micro-batch.
+
+  With the loss inside the pipeline (schedules '1f1b', 'zb1p', 'zbv') each
+  micro-batch is (x, labels): every chunk passes the labels on unchanged,
+  and the last one returns its micro-batch's loss instead of its output.
+
+  Args:
+    stage_fn: A `Chunk.StageFunction`, (theta, (x,), state, id) -> ((y,),
+      state).
+    loss: For the last chunk, `MeanLoss`; None for the others.
+
+  Returns:
+    (theta, (x, labels), state, id) -> ((y, labels), state), or ((loss,),
+    state) for the last chunk.
+  """
+
+  def StageFn(theta, inputs, state, micro_batch_id):
+    x, labels = inputs
+    (y,), state = stage_fn(theta, (x,), state, micro_batch_id)
+    if loss is None:
+      return (y, labels), state
+    value = loss(labels, y)
+    if value.shape.rank != 0 or not value.dtype.is_floating:
+      raise ValueError(
+          f'loss={loss!r} returned {value!r} on a micro-batch; the pipeline '
+          'needs a float scalar, the mean loss of the micro-batch.')
+    return (value,), state
+
+  return StageFn
