@@ -110,8 +110,8 @@ class GPipeSequential(keras.layers.Layer):
     loss_inside: Whether the schedule computes the loss inside the pipeline
       ('1f1b', 'zb1p', 'zbv'): the layer then takes (inputs, labels) and
       returns the mean loss.
-    loss: The `keras.losses.Loss` each micro-batch's last chunk applies
-      (`stages.MeanLoss` of the loss given), or None.
+    loss: What the last chunk applies to each micro-batch, (y_true, y_pred)
+      -> mean loss (`stages.MeanLoss` of the loss given), or None.
   """
 
   def __init__(self,
@@ -160,7 +160,8 @@ class GPipeSequential(keras.layers.Layer):
       loss: With a schedule that computes the loss inside the pipeline, and
         only then: a `keras.losses.Loss` with a mean reduction, a loss name
         (`keras.losses.get`) or a callable (y_true, y_pred) -> loss (reduced
-        to its mean, as `model.compile` does). The layer is then called on
+        to its mean if not a scalar, as `model.compile` does; y_true as
+        given). The layer is then called on
         (inputs, labels) and returns the mean loss.
       **kwargs: keras.layers.Layer arguments (name, dtype, trainable).
 
@@ -287,7 +288,8 @@ class GPipeSequential(keras.layers.Layer):
     for layer in self._layers_list:
       x = layer.compute_output_spec(x)
     if self.loss_inside:
-      return keras.KerasTensor((), dtype=self.loss.dtype)
+      return keras.KerasTensor((), dtype=getattr(self.loss, 'dtype', None) or
+                               keras.config.floatx())
     return x
 
   def _MicroBatchCosts(self, x: tf.Tensor, num_micro: int) -> List[float]:

@@ -63,6 +63,8 @@ from lingvo_gpipe.engine import moments as moments_lib
 # Keras loss reductions that return the mean over the examples (the first is
 # Keras' default); the pipeline's mean over micro-batches keeps it.
 _MEAN_REDUCTIONS = ('sum_over_batch_size', 'mean', 'mean_with_sample_weight')
+# A loss as the last chunk applies it: (y_true, y_pred) -> scalar.
+LossFn = Callable[[Any, Any], tf.Tensor]
 
 
 def SubLayers(layer: keras.layers.Layer) -> List[keras.layers.Layer]:
@@ -394,25 +396,7 @@ class Chunk:
         moving.assign(tf.cast(tf.where(seen, updated, old), moving.dtype))
 
 
-class _MeanOf(keras.losses.Loss):
-  """A (y_true, y_pred) callable as a Keras loss: the mean of what it returns.
-
-  What `model.compile(loss=fn)` makes of a function (Keras' private
-  LossFunctionWrapper): reduction 'sum_over_batch_size', so a per-example
-  result becomes its mean and a scalar stays as it is.
-  """
-
-  def __init__(self, fn: Callable[[Any, Any], Any]):
-    name = getattr(fn, '__name__', '')  # '<lambda>' is no scope name.
-    super().__init__(
-        name=name if name.isidentifier() and name[0] != '_' else 'loss')
-    self._fn = fn
-
-  def call(self, y_true, y_pred):
-    return self._fn(y_true, y_pred)
-
-
-def MeanLoss(loss: Any) -> keras.losses.Loss:
+def MeanLoss(loss: Any) -> LossFn:
   """The loss a pipeline with the loss inside applies to each micro-batch.
 
   The pipeline returns the mean over micro-batches of each micro-batch's
@@ -421,11 +405,12 @@ def MeanLoss(loss: Any) -> keras.losses.Loss:
 
   Args:
     loss: A `keras.losses.Loss` with a mean reduction, a name or config that
-      `keras.losses.get` resolves, or a callable (y_true, y_pred) -> loss,
-      reduced to its mean as `model.compile` does.
+      `keras.losses.get` resolves, or a callable (y_true, y_pred) -> loss.
 
   Returns:
-    A `keras.losses.Loss` that returns a scalar mean.
+    (y_true, y_pred) -> scalar: the Loss itself; a callable's result, or the
+    mean of it if it is not a scalar (as `model.compile` reduces a loss
+    function), with y_true passed as given.
 
   Raises:
     ValueError: if `loss` is none of these, or sums (reduction 'sum') or does
@@ -447,12 +432,17 @@ def MeanLoss(loss: Any) -> keras.losses.Loss:
     raise ValueError(
         f'loss={loss!r} must be a keras.losses.Loss, a loss name or a '
         'callable (y_true, y_pred) -> loss.')
-  return _MeanOf(resolved)
+
+  def Mean(y_true, y_pred):
+    value = resolved(y_true, y_pred)
+    return value if value.shape.rank == 0 else tf.reduce_mean(value)
+
+  return Mean
 
 
 def CarryLabels(
     stage_fn: Callable[..., Tuple[Tuple[tf.Tensor], Any]],
-    loss: Optional[keras.losses.Loss] = None
+    loss: Optional[LossFn] = None
 ) -> Callable[..., Tuple[Tuple[tf.Tensor, ...], Any]]:
   """A chunk's stage function when the labels travel with the micro-batch.
 
