@@ -1,4 +1,4 @@
-r"""Trains a registered GPipe model with Lingvo's runner on K local CPU devices.
+r"""Trains a registered GPipe model with Lingvo's runner on K devices.
 
 Lingvo's own `python -m lingvo.trainer --run_locally=cpu` gives its worker one
 CPU device, so a pipeline has nowhere to put stage 2. This launcher runs the
@@ -26,6 +26,22 @@ command again continues from the last checkpoint in <logdir>/train.
 
   python tools/train.py --model=lm.GPipeCharLm --num_devices=4 \
       --logdir=/tmp/lm [--max_steps=300] [--use_eager]
+
+On several machines (or processes), each runs one worker of TensorFlow's
+gRPC cluster, and one client trains on all of them (graph mode):
+
+  python tools/train.py --job=worker --task=T --num_devices=N \
+      --cluster_spec=worker=host0:2222,host1:2222
+  python tools/train.py --job=trainer_client --model=lm.GPipeCharLm \
+      --cluster_spec=worker=host0:2222,host1:2222 --split_size=S \
+      --logdir=/shared/lm
+
+The client's model split is S of the cluster's devices, taken in task order
+(task 0's devices, then task 1's, ...): R = all devices / S replicas, each
+an S-stage pipeline (S <= N: every worker holds N / S of them; S > N: a
+pipeline spans workers). Eval and decode jobs run in the client's process
+on S local CPU devices. A lost worker ends the run with one line; the same
+command continues from the last checkpoint. docs/scaling_out.md has more.
 
 The last line of a training run is
 
@@ -67,17 +83,28 @@ from lingvo_gpipe import GPipeSequentialLayer
 from lingvo_gpipe import stacks
 import params  # Registers the models.
 from tools import cli
+from tools import workers
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 flags.DEFINE_integer(
     'num_devices', 4, 'Local CPU devices. With one model split (the '
-    'default) stage k of a GPipeSequentialLayer runs on CPU:k.',
+    'default) stage k of a GPipeSequentialLayer runs on CPU:k. With '
+    '--job=worker: the devices this worker serves (its GPUs on a GPU host, '
+    'else CPU devices); with --cluster_spec: the devices every worker must '
+    'serve (default: what they serve).',
     lower_bound=1)
 flags.DEFINE_integer(
     'split_size', None, 'K: devices of one model split (one pipeline); '
     '--num_devices=R*K with --split_size=K trains R data-parallel replicas '
-    "(Lingvo's towers, gradients averaged). Default: --num_devices.",
+    "(Lingvo's towers, gradients averaged). Default: --num_devices. With "
+    "--cluster_spec: K of the cluster's devices in task order, R = all "
+    'devices / K (K may exceed a worker\'s devices: a pipeline across '
+    'workers).',
     lower_bound=1)
+flags.DEFINE_float(
+    'worker_timeout', 60, 'With --cluster_spec: seconds to wait for every '
+    'worker to answer at start, and the longest one session call (a step, '
+    'a checkpoint) may take before the run fails.', lower_bound=1)
 flags.DEFINE_integer(
     'max_steps', None, 'Train until this global step (overrides the '
     "model's task.train.max_steps).", lower_bound=1)
@@ -198,6 +225,29 @@ class FinalCheckpointTrainer(runners.Trainer):
       self._checkpointer.Save(sess, step, sync=True)
     return stop
 
+  def _GetSession(self, **kwargs):
+    """On a cluster: calls bounded by --worker_timeout, a lost worker ends."""
+    if not _OnCluster():
+      return super()._GetSession(**kwargs)
+    graph = kwargs.pop('graph', self._graph)
+    config = py_utils.SessionConfig(**kwargs)
+    config.operation_timeout_in_ms = int(FLAGS.worker_timeout * 1000)
+    return workers.ExitOnLostWorker(self._tf_master, _ExitOnLostWorker,
+                                    graph=graph, config=config)
+
+
+def _ExitOnLostWorker(error):
+  """Ends the run with one line: the lost worker and how to go on."""
+  lost = workers.LostWorker(error, workers.WorkerAddresses(FLAGS.cluster_spec))
+  checkpoint = tf.train.latest_checkpoint(os.path.join(FLAGS.logdir, 'train'))
+  resume = (f'it continues from the last checkpoint, {checkpoint}'
+            if checkpoint else 'it starts again (no checkpoint yet)')
+  print(f'{PROG}: error: lost {lost} (--cluster_spec); restart it and run '
+        f'this command again: {resume}.', file=sys.stderr, flush=True)
+  # Not sys.exit: the session cannot close without the worker, and the
+  # runners may be threads.
+  os._exit(1)  # pylint: disable=protected-access
+
 
 def _SplitSize():
   return FLAGS.split_size or FLAGS.num_devices
@@ -208,15 +258,31 @@ def _OnLocalCpus():
   return FLAGS.run_locally == 'cpu'
 
 
+def _OnCluster():
+  """Whether this run uses the workers of --cluster_spec (not TPU, local)."""
+  return bool(FLAGS.cluster_spec) and not FLAGS.tpu
+
+
 class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
   """Lingvo's RunnerManager with a K-device model split on this machine.
 
-  With --run_locally other than 'cpu' (e.g. --tpu=...) it is Lingvo's own.
+  On a cluster (`cluster_workers`) the model split is K of the workers'
+  devices in task order (`_ConfigureClusterJobs`), and eval and decode jobs
+  run in this process on K local CPU devices. Otherwise, with --run_locally
+  other than 'cpu' (e.g. --tpu=...), it is Lingvo's own.
   """
 
-  def __init__(self, model):
+  def __init__(self, model, cluster_workers=None):
+    """Manages the runners of `model`.
+
+    Args:
+      model: --model.
+      cluster_workers: The workers.Workers of --cluster_spec, or None for a
+        local (or TPU) run.
+    """
     super().__init__(model)
     self._servers = []
+    self._workers = cluster_workers
 
   @property
   def Trainer(self):  # pylint: disable=invalid-name
@@ -224,6 +290,11 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
 
   def MaybeConfigRunLocally(self):
     super().MaybeConfigRunLocally()
+    if self._workers:
+      # Eval and decode jobs: the model split's K devices, in this process.
+      config = tf.compat.v1.ConfigProto(device_count={'CPU': _SplitSize()})
+      self._servers = [tf.distribute.Server.create_local_server(config=config)]
+      return
     if FLAGS.use_eager or not _OnLocalCpus():
       return
     # One server for training and one for eval/decode jobs that run beside
@@ -235,14 +306,49 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
     ]
     FLAGS.tf_master = self._servers[0].target
 
+  def MaybeLaunchTensorFlow(self):
+    if not self._workers:  # On a cluster the workers answered in main().
+      super().MaybeLaunchTensorFlow()
+
   def UpdateClusterParamsFromFlags(self, cluster, job_name):
     super().UpdateClusterParamsFromFlags(cluster, job_name)
+    if self._workers:
+      self._ConfigureClusterJobs(cluster)
+      return
     if not _OnLocalCpus():
       return
     for job in (cluster.controller, cluster.worker, cluster.ps, cluster.evaler,
                 cluster.decoder):
       job.cpus_per_replica = FLAGS.num_devices
       job.devices_per_split = _SplitSize()
+
+  def _ConfigureClusterJobs(self, cluster):
+    """Lingvo's cluster params: one Lingvo replica per model split.
+
+    Lingvo keeps a split inside a replica and lists a job's devices sorted
+    by task, so replicas of K devices over all the workers' devices are the
+    model splits in task order: within a worker when K divides its devices,
+    else across workers. Variables stay on the workers' CPUs (Lingvo's ps).
+
+    Args:
+      cluster: Lingvo's cluster params, updated in place.
+    """
+    split_size = _SplitSize()
+    cluster.worker.replicas = workers.NumReplicas(self._workers, split_size)
+    cluster.worker.devices_per_split = split_size
+    if self._workers.device_type == 'GPU':
+      cluster.worker.gpus_per_replica = split_size
+    else:
+      cluster.worker.cpus_per_replica = split_size
+    cluster.ps.replicas = len(self._workers.addresses)
+    cluster.ps.cpus_per_replica = self._workers.cpus_per_worker
+    cluster.ps.gpus_per_replica = 0
+    for job in (cluster.evaler, cluster.decoder):
+      job.name = '/job:localhost'
+      job.replicas = 1
+      job.gpus_per_replica = 0
+      job.cpus_per_replica = split_size
+      job.devices_per_split = split_size
 
   def GetParamsForDataset(self, job_name, dataset_name):
     cfg = super().GetParamsForDataset(job_name, dataset_name)
@@ -252,8 +358,10 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
     return cfg
 
   def _CreateRunner(self, job, model_task_name, logdir, tf_master, trial):
-    if not tf_master and self._servers:
-      tf_master = self._servers[1].target
+    local = not tf_master or (self._workers and
+                              job.startswith(('evaler_', 'decoder_')))
+    if local and self._servers:
+      tf_master = self._servers[-1].target
     return super()._CreateRunner(job, model_task_name, logdir, tf_master,
                                  trial)
 
@@ -365,24 +473,80 @@ def _CreateLocalEagerDevices(num_devices):
       cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
 
 
+def _ServeWorker():
+  """--job=worker: serves task --task of --cluster_spec until killed."""
+  if not FLAGS.cluster_spec:
+    cli.Fail(PROG, '--job=worker serves one task of --cluster_spec; pass e.g. '
+             '--cluster_spec=worker=host0:2222,host1:2222 --task=0.')
+  try:
+    workers.Serve(workers.WorkerAddresses(FLAGS.cluster_spec), FLAGS.task,
+                  FLAGS.num_devices)
+  except workers.ClusterError as e:
+    cli.Fail(PROG, e)
+
+
+def _DiscoverWorkers():
+  """Checks the client's flags against the workers of --cluster_spec.
+
+  Waits (up to --worker_timeout) until every worker answers. Sets
+  --num_devices to the devices of one worker and clears --run_locally.
+
+  Returns:
+    The workers.Workers.
+  """
+  others = [job for job in FLAGS.job.split(',') if job != 'trainer_client'
+            and not job.startswith(('evaler_', 'decoder_'))]
+  if others:
+    cli.Fail(PROG, f'--job={FLAGS.job} with --cluster_spec: each worker runs '
+             '--job=worker, the client --job=trainer_client (and evaler_* or '
+             f'decoder_* jobs beside it); not {others}.')
+  if FLAGS['run_locally'].present and FLAGS.run_locally:
+    cli.Fail(PROG, f'--run_locally={FLAGS.run_locally} trains on devices of '
+             "this process, --cluster_spec on the workers'; pass one of them.")
+  if FLAGS.use_eager:
+    cli.Fail(PROG, '--use_eager runs in this process only; with '
+             '--cluster_spec the client runs a graph on the workers: drop '
+             '--use_eager.')
+  asked = FLAGS.num_devices if FLAGS['num_devices'].present else None
+  try:
+    found = workers.Discover(workers.WorkerAddresses(FLAGS.cluster_spec),
+                             FLAGS.worker_timeout, asked)
+    FLAGS.num_devices = found.devices_per_worker
+    workers.NumReplicas(found, _SplitSize())
+  except workers.ClusterError as e:
+    cli.Fail(PROG, e)
+  FLAGS.run_locally = ''
+  return found
+
+
 def main(argv):
   for name, value in LAUNCHER_DEFAULTS.items():
     FLAGS.set_default(name, value)  # Flags given on the command line win.
   if len(argv) > 1:
     cli.Fail(PROG, f'unexpected arguments {argv[1:]}; every setting is a flag.')
+  if FLAGS.job == 'worker':
+    _ServeWorker()
+    return
   if not FLAGS.model:
     cli.Fail(PROG, '--model is required, e.g. --model=lm.GPipeCharLm.')
   if not FLAGS.logdir:
     cli.Fail(PROG, '--logdir is required, e.g. --logdir=/tmp/lm.')
-  if FLAGS.num_devices % _SplitSize():
+  cluster_workers = _DiscoverWorkers() if _OnCluster() else None
+  if not cluster_workers and FLAGS.num_devices % _SplitSize():
     cli.Fail(PROG, f'--split_size={FLAGS.split_size} must divide '
              f'--num_devices={FLAGS.num_devices}.')
   progress = _RouteLogs(FLAGS.logdir)
-  _CheckModel(FLAGS.model, _SplitSize() if _OnLocalCpus() else None)
+  _CheckModel(FLAGS.model,
+              _SplitSize() if _OnLocalCpus() or cluster_workers else None)
   py_utils.SetEagerMode(FLAGS.use_eager)
   if FLAGS.use_eager and _OnLocalCpus():
     _CreateLocalEagerDevices(FLAGS.num_devices)
-  LocalDevicesRunnerManager(FLAGS.model).Start()
+  try:
+    LocalDevicesRunnerManager(FLAGS.model, cluster_workers).Start()
+  except workers.LOST_WORKER_ERRORS as e:
+    if not cluster_workers:
+      raise
+    _ExitOnLostWorker(e)  # E.g. listing the devices, before the first step.
   _Report(progress)
 
 
