@@ -17,7 +17,9 @@ same checks and error messages (`planning.config`), placement
 (`engine.placement`) and pipelined call (`engine.call`: M, partition and its
 plan, engine choice, eval). Only the cells differ: Keras layers called
 statelessly, their seeds and batch-norm statistics as stage state
-(`keras/stages.py`).
+(`keras/stages.py`). With a schedule that computes the loss inside the
+pipeline ('1f1b', 'zb1p', 'zbv') the layer takes `loss=`, is called on
+(inputs, labels) and returns the mean loss (docs/keras.md).
 
 Its variables are the layers' own, created in the layer's name scope as a
 `keras.Sequential` of the same name would create them: the same order, names
@@ -152,7 +154,7 @@ class GPipeSequential(keras.layers.Layer):
         training run, `planning.schedule.ChooseEngine`); see docs/engines.md.
       schedule: A key of `planning.schedule.SCHEDULES`. 'gpipe' runs the
         layers before the loss; '1f1b', 'zb1p' and 'zbv' compute `loss`
-        inside the pipeline (docs/keras.md#the-loss-inside-the-pipeline).
+        inside the pipeline (docs/keras.md, "The loss inside the pipeline").
       virtual_stages: v, chunks per device (circular pipeline): K v chunks,
         chunk c on device c mod K.
       micro_batch_size: Alternative to num_micro_batches: the size of one
