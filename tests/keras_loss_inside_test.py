@@ -4,7 +4,8 @@ The layer takes (inputs, labels) and returns the mean loss; the loss and the
 gradient of every trainable variable (and of the watched input) equal those
 of `loss(labels, keras.Sequential(layers)(inputs))`, in a tf.function with
 remat 'never' and 'always', and under XLA; eval returns the mean loss;
-model.fit through a custom train_step; the config keeps the loss; errors.
+batch norm moves once per step; model.fit through a custom train_step (with
+and without XLA); the config keeps the loss; errors.
 """
 
 import keras
@@ -147,11 +148,13 @@ class PipelinedModel(keras.Model):
     return [self.loss_tracker]
 
 
-def testFitWithACustomTrainStepLeavesTheSameWeights():
+@pytest.mark.parametrize('jit_compile', [False, True])
+def testFitWithACustomTrainStepLeavesTheSameWeights(jit_compile):
   plain, pipe = _Models('zb1p', num_micro_batches=4)
   model = PipelinedModel(pipe)
-  model.compile(optimizer=keras.optimizers.SGD(0.5))
-  plain.compile(optimizer=keras.optimizers.SGD(0.5), loss=_Loss())
+  model.compile(optimizer=keras.optimizers.SGD(0.5), jit_compile=jit_compile)
+  plain.compile(optimizer=keras.optimizers.SGD(0.5), loss=_Loss(),
+                jit_compile=jit_compile)
   x, labels = _Data(3 * BATCH)
   before = plain.get_weights()
   history = {}
@@ -166,6 +169,30 @@ def testFitWithACustomTrainStepLeavesTheSameWeights():
   np.testing.assert_allclose(
       model.evaluate(x, labels, batch_size=BATCH, verbose=0),
       plain.evaluate(x, labels, batch_size=BATCH, verbose=0), rtol=1e-5)
+
+
+def testBatchNormMovesOnceFromTheWholeBatch():
+  """Moving statistics as the plain layer's after a whole-batch step."""
+
+  def Layers():
+    return [keras.layers.Dense(DIM, name='dense0'),
+            keras.layers.BatchNormalization(momentum=0.9, name='bn')
+           ] + _Layers()[1:]
+
+  keras.utils.set_random_seed(0)
+  plain = keras.Sequential([keras.Input((DIM,))] + Layers(), name='body')
+  pipe = GPipeSequential(Layers(), num_stages=2, virtual_stages=2,
+                         num_micro_batches=4, schedule='zbv', loss=_Loss(),
+                         name='body')
+  pipe.build((None, DIM))
+  pipe.set_weights(plain.get_weights())
+  x, labels = _Data()
+  pipe((x * 3 + 1, labels), training=True)
+  plain(x * 3 + 1, training=True)
+  moving = [v.numpy() for v in pipe.non_trainable_variables]
+  assert len(moving) == 2 and np.max(np.abs(moving[0])) > 0.05
+  engine_util.AssertTransparent(
+      moving, [v.numpy() for v in plain.non_trainable_variables])
 
 
 def testSymbolicCallIsAScalar():
