@@ -434,7 +434,7 @@ def MeanLoss(loss: Any) -> LossFn:
         'callable (y_true, y_pred) -> loss.')
 
   def Mean(y_true, y_pred):
-    value = resolved(y_true, y_pred)
+    value = tf.convert_to_tensor(resolved(y_true, y_pred))
     return value if value.shape.rank == 0 else tf.reduce_mean(value)
 
   return Mean
