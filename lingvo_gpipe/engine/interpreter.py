@@ -55,19 +55,50 @@ from lingvo_gpipe.planning import lowering
 
 F, B, W = lowering.F, lowering.B, lowering.W
 
-# The per-chunk loop variables each kind of instruction changes (a backward
-# of a table that splits it: 'd_state' and 'weight_stash').
-CHUNK_FIELDS = {F: ('state', 'saved_state', 'stash'),
-                B: ('d_state', 'd_theta'),
-                W: ('d_theta',)}
 Row = Dict[Any, tf.Tensor]
 Variables = Dict[str, List[Any]]
 
 
-def Buffer(spec: tf.TensorSpec, num_slots: int) -> tf.TensorArray:
-  """A buffer of `num_slots` slots and a spare one, for writes of idle ticks."""
+def Buffer(spec: tf.TensorSpec, num_slots: int,
+           shrinks: bool = False) -> tf.TensorArray:
+  """A buffer of `num_slots` slots and a spare one, for writes of idle ticks.
+
+  Args:
+    spec: What a slot holds.
+    num_slots: Its slots, the spare one excluded.
+    shrinks: Whether a slot may hold an empty tensor instead (`Take`): the
+      buffer's element shape is then unknown.
+
+  Returns:
+    The TensorArray.
+  """
+  if shrinks:
+    return tf.TensorArray(spec.dtype, size=num_slots + 1, infer_shape=False,
+                          clear_after_read=False)
   return tf.TensorArray(spec.dtype, size=num_slots + 1,
                         element_shape=spec.shape, clear_after_read=False)
+
+
+def Take(buffers: Sequence[tf.TensorArray], specs: Sequence[tf.TensorSpec],
+         slot: tf.Tensor, shrinks: bool
+        ) -> Tuple[List[tf.Tensor], List[tf.TensorArray]]:
+  """Reads a slot that is read once; empties it if the buffers shrink.
+
+  A slot keeps its tensor until it is written again: emptied, a stash's
+  memory goes as soon as its one reader has run, not when a later call
+  reuses the slot.
+
+  Returns:
+    (the slot's tensors, the buffers after the read).
+  """
+  values = [a.read(slot) for a in buffers]
+  if not shrinks:
+    return values, list(buffers)
+  values = [tf.ensure_shape(t, s.shape) for t, s in zip(values, specs)]
+  with tf.control_dependencies(values):
+    emptied = [a.write(slot, tf.zeros([0] * s.shape.rank, s.dtype))
+               for a, s in zip(buffers, specs)]
+  return values, emptied
 
 
 def Scatter(values: Sequence[Any], mask: Sequence[bool]) -> List[Any]:
@@ -92,6 +123,9 @@ class Interpreter:
     stacked_inputs: The input edge's tensors, micro-batches stacked.
     first_id: int64 id of micro-batch 0.
     loss_inside: Whether the last chunk's backward starts from the loss.
+    shrinks: Whether a stash slot is emptied once read (`Take`): not under
+      XLA, whose buffers have static shapes (and which assigns memory
+      itself).
     d_outputs: Per edge into the output, the gradients of its tensors:
       [M, ...] (loss outside), or scalars (loss inside); None where not
       differentiable. Set before a backward instruction is built.
@@ -101,8 +135,9 @@ class Interpreter:
                step: lowering.Step,
                boundaries: Sequence[chunks_lib.Boundary],
                stacked_inputs: List[tf.Tensor], first_id: tf.Tensor,
-               loss_inside: bool):
+               loss_inside: bool, shrinks: bool = False):
     self.chunks = list(chunks)
+    self.shrinks = shrinks
     self.step = step
     self.edges = step.edges
     self.boundaries = list(boundaries)
@@ -132,13 +167,22 @@ class Interpreter:
     return self.DeviceName(self.step.Device(kind, index))
 
   def ChunkFields(self, phase: str) -> Tuple[str, ...]:
-    """The per-chunk variables an instruction of `phase` changes."""
-    fields = CHUNK_FIELDS[phase]
-    if phase == B and self.step.table.split_backward:
-      fields = ('d_state', 'weight_stash')
-    if phase == B and self.loss_inside:  # No state gradient flows back.
-      fields = fields[1:]
-    return fields
+    """The per-chunk variables an instruction of `phase` changes.
+
+    A forward: the state, the saved states and the stash; a backward: the
+    state gradient (with the loss outside) and the weight-gradient sums, or,
+    in a table that splits the backward, the weight stash instead; a weight
+    gradient: the sums. A backward and a weight gradient also empty the
+    stash they read when the stashes shrink (`Take`).
+    """
+    if phase == F:
+      return ('state', 'saved_state', 'stash')
+    if phase == W:
+      return ('d_theta',) + (('weight_stash',) if self.shrinks else ())
+    fields = () if self.loss_inside else ('d_state',)  # Flows m + 1 -> m.
+    fields += (('weight_stash',) if self.step.table.split_backward else
+               ('d_theta',))
+    return fields + (('stash',) if self.shrinks else ())
 
   def Initial(self, states: List[List[tf.Tensor]], has_buffer,
               d_states: Optional[List[List[Optional[tf.Tensor]]]] = None
@@ -173,11 +217,11 @@ class Interpreter:
                                         step.Size('state', c))
                                  for t in chunk.state]
                                 if step.Size('state', c) else [])
-        v['stash'].append([Buffer(s, step.Size('stash', c))
+        v['stash'].append([Buffer(s, step.Size('stash', c), self.shrinks)
                            for s in chunk.split.stash_specs]
                           if step.Size('stash', c) else [])
         v['weight_stash'].append(
-            [Buffer(s, step.Size('weight', c))
+            [Buffer(s, step.Size('weight', c), self.shrinks)
              for s in chunk.split.weight_stash_specs]
             if step.Size('weight', c) else [])
         given = [None] * len(chunk.state) if d_states is None else d_states[c]
@@ -275,8 +319,10 @@ class Interpreter:
     state = [a.read(row['state_slot']) for a in v['saved_state'][c]]
     d_state = Scatter(v['d_state'][c], self.diff_state[c])
     args = chunk.Args(x, state, self.first_id + tf.cast(m, tf.int64))
-    stash = ([a.read(row['stash_slot']) for a in v['stash'][c]]
-             if keeps else None)
+    stash = None
+    if keeps:
+      stash, new['stash'][c] = Take(v['stash'][c], chunk.split.stash_specs,
+                                    row['stash_slot'], self.shrinks)
     if self.step.table.split_backward:
       d_inputs, weight_stash = chunk.split.Input(d_y + d_state, args, stash)
       new['weight_stash'][c] = [
@@ -309,7 +355,9 @@ class Interpreter:
   def _Weight(self, c: int, row: Row, v: Variables, new: Variables) -> None:
     """Chunk c's weight gradients of a micro-batch, from its weight stash."""
     chunk = self.chunks[c]
-    stash = [a.read(row['weight_slot']) for a in v['weight_stash'][c]]
+    stash, new['weight_stash'][c] = Take(
+        v['weight_stash'][c], chunk.split.weight_stash_specs,
+        row['weight_slot'], self.shrinks)
     grads = chunk.split.Weight(chunk.theta, stash)
     self._AddWeightGradients(
         c, [chunks_lib.Dense(g, t) for g, t in zip(grads, chunk.theta)], v,

@@ -25,8 +25,8 @@ F, B, W = lowering.F, lowering.B, lowering.W
 # What the instructions of a phase change (the rest they only read).
 _CHANGED = {
     F: ('state', 'saved_state', 'stash', 'sent', 'data'),
-    B: ('d_state', 'd_theta', 'weight_stash', 'sent_grad', 'grad'),
-    W: ('d_theta',),
+    B: ('d_state', 'd_theta', 'stash', 'weight_stash', 'sent_grad', 'grad'),
+    W: ('d_theta', 'weight_stash'),
 }
 # The variables that hold one entry per chunk.
 _PER_CHUNK = ('state', 'saved_state', 'stash', 'weight_stash', 'd_state',

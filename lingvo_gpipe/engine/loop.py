@@ -274,8 +274,9 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
     theta, (x,), _ = passes.Unjoin(flat, sizes)
     for chunk, chunk_theta in zip(chunks, theta):
       chunk.theta = chunk_theta
-    interp = interpreter_lib.Interpreter(chunks, step, boundaries, x,
-                                         first_id, loss_inside)
+    interp = interpreter_lib.Interpreter(
+        chunks, step, boundaries, x, first_id, loss_inside,
+        shrinks=not xla.CompiledByXla(devices))
     return Executor(executor, interp, devices, control_flow.Lowered())
 
   flat = passes.Join([c.theta for c in chunks]) + stacked + passes.Join(
