@@ -18,8 +18,6 @@ its output, weight, gradient and optimizer-slot bytes. Two cells, one timed run 
     >>> fc0 = profiles[0]
     >>> fc0.name, fc0.weight_bytes, fc0.slot_bytes, fc0.output_bytes
     ('fc0', 288.0, 576.0, 32.0)
-    >>> fc0.forward_s(32) > 0, fc0.update_s > 0
-    (True, True)
     >>> fc0.weight_stash_bytes  # Its input and output gradient, per example.
     64.0
 
