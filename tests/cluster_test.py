@@ -432,7 +432,8 @@ def testClusterFlagsThatDoNotFitTheWorkersAreOneLine(runs, tmp_path, capsys):
     (dict(cluster_spec='worker=h:1', job='controller,trainer_client'),
      '--job=controller,trainer_client with --cluster_spec: each worker runs '
      '--job=worker, the client --job=trainer_client (and evaler_* or '
-     "decoder_* jobs beside it); not ['controller']."),
+     'decoder_* jobs beside it); an evaler or decoder alone needs no cluster: '
+     'drop --cluster_spec and pass --num_devices=K.'),
 ])
 def testBadClusterFlagsAreOneLine(tmp_path, capsys, flag_values, message):
   assert _MainFails(capsys, str(tmp_path / 'logdir'), **flag_values) == message

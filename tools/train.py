@@ -291,6 +291,9 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
   def MaybeConfigRunLocally(self):
     super().MaybeConfigRunLocally()
     if self._workers:
+      # Lingvo's MaybeConfigRunDistributed sets the master only for a lone
+      # trainer_client job; this covers 'trainer_client,evaler_dev' too.
+      FLAGS.tf_master = f'grpc://{self._workers.addresses[0]}'
       # Eval and decode jobs: the model split's K devices, in this process.
       config = tf.compat.v1.ConfigProto(device_count={'CPU': _SplitSize()})
       self._servers = [tf.distribute.Server.create_local_server(config=config)]
@@ -334,6 +337,7 @@ class LocalDevicesRunnerManager(lingvo_trainer.RunnerManager):
       cluster: Lingvo's cluster params, updated in place.
     """
     split_size = _SplitSize()
+    cluster.worker.name = cluster.ps.name = f'/job:{workers.JOB}'
     cluster.worker.replicas = workers.NumReplicas(self._workers, split_size)
     cluster.worker.devices_per_split = split_size
     if self._workers.device_type == 'GPU':
@@ -494,12 +498,14 @@ def _DiscoverWorkers():
   Returns:
     The workers.Workers.
   """
-  others = [job for job in FLAGS.job.split(',') if job != 'trainer_client'
+  jobs = FLAGS.job.split(',')
+  others = [job for job in jobs if job != 'trainer_client'
             and not job.startswith(('evaler_', 'decoder_'))]
-  if others:
+  if others or 'trainer_client' not in jobs:
     cli.Fail(PROG, f'--job={FLAGS.job} with --cluster_spec: each worker runs '
              '--job=worker, the client --job=trainer_client (and evaler_* or '
-             f'decoder_* jobs beside it); not {others}.')
+             'decoder_* jobs beside it); an evaler or decoder alone needs no '
+             'cluster: drop --cluster_spec and pass --num_devices=K.')
   if FLAGS['run_locally'].present and FLAGS.run_locally:
     cli.Fail(PROG, f'--run_locally={FLAGS.run_locally} trains on devices of '
              "this process, --cluster_spec on the workers'; pass one of them.")
