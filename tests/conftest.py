@@ -58,6 +58,7 @@ LONGEST_FILES = (
     'train_test.py', 'benchmark_test.py', 'sparse_gradients_test.py',
     'layers_test.py', 'plan_test.py', 'pipeline_test.py', 'docs_test.py',
     'unet_params_test.py', 'stacks_test.py', 'keras_layer_test.py',
+    'zero_bubble_test.py',
 )
 
 
