@@ -39,8 +39,8 @@ gRPC cluster, and one client trains on all of them (graph mode):
 The client's model split is S of the cluster's devices, taken in task order
 (task 0's devices, then task 1's, ...): R = all devices / S replicas, each
 an S-stage pipeline (S <= N: every worker holds N / S of them; S > N: a
-pipeline spans workers). Eval and decode jobs run in the client's process
-on S local CPU devices. A lost worker ends the run with one line; the same
+pipeline spans workers). Eval and decode jobs beside it run in the
+client's process on S local CPU devices. A lost worker ends the run with one line; the same
 command continues from the last checkpoint. docs/scaling_out.md has more.
 
 The last line of a training run is

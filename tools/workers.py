@@ -99,12 +99,13 @@ def WorkerAddresses(cluster_spec: str) -> List[str]:
   return addresses
 
 
-def Serve(addresses: List[str], task: int, num_devices: int) -> NoReturn:
-  """Serves task `task` of job 'worker' with `num_devices` devices, forever.
+def Serve(addresses: List[str], task: int, num_devices: int) -> None:
+  """Serves task `task` of job 'worker' with `num_devices` devices.
 
   A host with GPUs serves `num_devices` of its GPUs (and one CPU device),
   any other host `num_devices` CPU devices. Prints one line once the server
-  listens.
+  listens, and serves until the process is killed or interrupted (Ctrl-C;
+  `server.join()` would not see it).
 
   Args:
     addresses: Every task's 'host:port' (`WorkerAddresses`).
@@ -136,7 +137,11 @@ def Serve(addresses: List[str], task: int, num_devices: int) -> NoReturn:
         'another machine?') from e
   print(f'worker {task} of {len(addresses)} listening on {addresses[task]} '
         f'with {num_devices} {device_type} devices', flush=True)
-  server.join()
+  try:
+    while True:
+      time.sleep(3600)
+  except KeyboardInterrupt:
+    del server
 
 
 def _TaskDevices(task: int, address: str,
