@@ -102,7 +102,7 @@ flags.DEFINE_integer(
     'workers).',
     lower_bound=1)
 flags.DEFINE_float(
-    'worker_timeout', 60, 'With --cluster_spec: seconds to wait for every '
+    'worker_timeout', 120, 'With --cluster_spec: seconds to wait for every '
     'worker to answer at start, and the longest one session call (a step, '
     'a checkpoint) may take before the run fails.', lower_bound=1)
 flags.DEFINE_integer(
