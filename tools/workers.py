@@ -196,6 +196,7 @@ def Discover(addresses: List[str], timeout_s: float,
           f' did not answer within --worker_timeout={timeout_s:g} s; start '
           'each with `tools/train.py --job=worker --task=T` and the same '
           '--cluster_spec.')
+    time.sleep(0.1)  # In case a probe fails at once instead of waiting.
   for task, kinds in found.items():
     if not kinds:
       raise ClusterError(
