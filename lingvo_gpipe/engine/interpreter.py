@@ -123,9 +123,13 @@ class Interpreter:
     stacked_inputs: The input edge's tensors, micro-batches stacked.
     first_id: int64 id of micro-batch 0.
     loss_inside: Whether the last chunk's backward starts from the loss.
-    shrinks: Whether a stash slot is emptied once read (`Take`): not under
-      XLA, whose buffers have static shapes (and which assigns memory
-      itself).
+    shrinks: Whether a stash slot is emptied once read (`Take`). Only for a
+      table that splits the backward (a weight stash outlives the call's
+      backward; emptied, zb1p's peak at K = 2, M = 8 is 1.07x 1F1B's instead
+      of 1.18x) and not under XLA, whose buffers have static shapes and
+      which assigns memory itself. Emptying 1F1B's stash slots gains little
+      peak (its slots are the calls in flight) and cost about 8% of its step
+      (docs/benchmarks.md).
     d_outputs: Per edge into the output, the gradients of its tensors:
       [M, ...] (loss outside), or scalars (loss inside); None where not
       differentiable. Set before a backward instruction is built.

@@ -276,7 +276,7 @@ def Run(stages: Sequence[stage_lib.Stage], thetas: Sequence[Any],
       chunk.theta = chunk_theta
     interp = interpreter_lib.Interpreter(
         chunks, step, boundaries, x, first_id, loss_inside,
-        shrinks=not xla.CompiledByXla(devices))
+        shrinks=table.split_backward and not xla.CompiledByXla(devices))
     return Executor(executor, interp, devices, control_flow.Lowered())
 
   flat = passes.Join([c.theta for c in chunks]) + stacked + passes.Join(
