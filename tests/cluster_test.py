@@ -32,24 +32,23 @@ import time
 from absl.testing import flagsaver
 import pytest
 from lingvo import compat as tf
-from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
 import engine_util
+import launcher_util
 import loopback_server
 import tool_util
-import train_test
 from tools import train
 from tools import workers
 
-MODEL = train_test.MODEL
+MODEL = launcher_util.MODEL
 STEPS = 8
 # The bound on the client's failure after a worker is killed (measured
 # 0.2 s: the step fails as soon as the connection is refused).
 FAIL_WITHIN_S = 30
 _PR_SET_PDEATHSIG = 1
 _COMMON = [f'--model={MODEL}', '--log_every=1']
-_TWO_STAGES = train_test._TWO_STAGES  # pylint: disable=protected-access
+_TWO_STAGES = launcher_util.TWO_STAGES
 LOCAL_RUNS = {
     'local_replicas': _COMMON + [
         '--num_devices=4', '--split_size=2', _TWO_STAGES, '--max_steps=2',
@@ -222,18 +221,7 @@ def _TraceOneClientStep(spec, split_size):
     graph = tf.Graph()
     with graph.as_default(), tf.container('trace'), tf.compat.v1.Session(
         master, config=py_utils.SessionConfig()) as sess:
-      cluster = cluster_factory.Cluster(cfg.cluster)
-      cluster.InitDevices(sess)
-      with cluster, tf.device(cluster.GetPlacer()):
-        model = cfg.Instantiate()
-        model.ConstructFPropBPropGraph()
-      sess.run(tf.compat.v1.global_variables_initializer())
-      metadata = tf.compat.v1.RunMetadata()
-      sess.run(model.GetTask().train_op,
-               options=tf.compat.v1.RunOptions(
-                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-               run_metadata=metadata)
-  return metadata
+      return launcher_util.TraceTrainStep(cfg, sess)[0]
 
 
 @pytest.fixture(scope='module')
@@ -276,10 +264,10 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def testReplicasOnEveryWorkerTrainAsLocalReplicas(runs):
   """--split_size=2 on 2 x 2 devices: the local 4-device, 2-split losses."""
-  model, steps, *_ = train_test._Trained(runs, 'replicas')  # pylint: disable=protected-access
+  model, steps, *_ = launcher_util.Trained(runs, 'replicas')
   assert (model, int(steps)) == (MODEL, 2)
-  cluster = train_test._SummaryLosses(runs, 'replicas')  # pylint: disable=protected-access
-  local = train_test._SummaryLosses(runs, 'local_replicas')  # pylint: disable=protected-access
+  cluster = launcher_util.SummaryLosses(runs, 'replicas')
+  local = launcher_util.SummaryLosses(runs, 'local_replicas')
   assert sorted(cluster) == sorted(local) == [1, 2]
   for step, loss in local.items():
     assert cluster[step] == pytest.approx(loss, rel=1e-6), step
@@ -302,10 +290,10 @@ def _KernelDevices(metadata):
     where = tuple(int(n) for n in re.search(r'/task:(\d+)/device:CPU:(\d+)$',
                                             dev.device).groups())
     for node in dev.node_stats:
-      call = train_test._StageCall(node)  # pylint: disable=protected-access
+      call = launcher_util.StageCall(node)
       if call:
         kinds[f'forward {call[1]}'].add(where)
-      for kind, pattern in train_test._CELL_KERNELS.items():  # pylint: disable=protected-access
+      for kind, pattern in launcher_util.CELL_KERNELS.items():
         if re.search(pattern, node.node_name):
           grad = '-grad' if node.node_name.startswith('gradients/') else ''
           kinds[kind + grad].add(where)
@@ -352,7 +340,7 @@ def testKilledWorkerFailsTheClientWhichResumesFromTheCheckpoint(runs):
   assert saved_step < STEPS and 'trained' not in stdout
 
   _, resumed, _ = runs['resumed']
-  model, steps, *_, checkpoint = train_test._Trained(runs, 'resumed')  # pylint: disable=protected-access
+  model, steps, *_, checkpoint = launcher_util.Trained(runs, 'resumed')
   assert (model, int(steps)) == (MODEL, STEPS)
   assert min(_Steps(resumed)) == saved_step + 1
   local = _Steps(runs['local_pipeline'][1])

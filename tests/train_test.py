@@ -26,15 +26,16 @@ from tensorflow.python.eager import context  # pylint: disable=g-direct-tensorfl
 
 from lingvo_gpipe.engine import placement
 import engine_util
+import launcher_util
 import tool_util
 from tools import train
 
-MODEL = 'lm.GPipeCharLmTiny'
+MODEL = launcher_util.MODEL
 STEPS = 20
 # The launcher's initial weights are the same in every run (its default
 # --stateless_vars_init), so two runs can be compared.
 COMMON = [f'--model={MODEL}', '--num_devices=4', '--log_every=1']
-_TWO_STAGES = '--model_params_override=task.stack.num_stages: 2'
+_TWO_STAGES = launcher_util.TWO_STAGES
 _LOOP = '--model_params_override=task.stack.engine: "loop"'
 RUNS = {
     'graph': COMMON + ['--logdir={tmp}/graph', f'--max_steps={STEPS}'],
@@ -78,9 +79,6 @@ AFTER = {
 }
 # As `make train` runs the launcher: it chooses TensorFlow's C++ log level.
 ENV_CHANGES = {'TF_CPP_MIN_LOG_LEVEL': None}
-_TRAINED = re.compile(
-    r'^trained (\S+): steps=(\d+) loss ([\d.]+) -> ([\d.]+), ([\d.]+) '
-    r'examples/s, checkpoint (\S+)$', re.MULTILINE)
 
 
 def _Checkpoint(logdir):
@@ -133,13 +131,6 @@ def runs(tmp_path_factory):
   return results
 
 
-def _Trained(runs, name):
-  code, stdout, stderr = runs[name]
-  assert code == 0, stderr[-3000:]
-  (match,) = _TRAINED.findall(stdout)
-  return match
-
-
 def _ProgressSteps(stdout):
   return [int(s) for s in re.findall(r'^step +(\d+) +loss', stdout, re.M)]
 
@@ -149,7 +140,7 @@ def _ProgressSteps(stdout):
                                         ('replicas', 6), ('loop_graph', 6),
                                         ('loop_eager', 6)])
 def testTrainsAndLossDecreases(runs, name, steps):
-  model, last_step, first, last, rate, ckpt = _Trained(runs, name)
+  model, last_step, first, last, rate, ckpt = launcher_util.Trained(runs, name)
   assert (model, int(last_step)) == (MODEL, steps)
   assert float(last) < float(first) - 0.5  # Starts near log(256) = 5.5.
   assert float(rate) > 0
@@ -229,8 +220,8 @@ def testKilledRunResumesWithIdenticalVariables(runs):
   _, stdout, _ = runs['restarted']
   assert _ProgressSteps(stdout)[0] == saved_step + 1
   # Killed-and-restarted and uninterrupted runs end with the same variables.
-  restarted = tf.train.load_checkpoint(_Trained(runs, 'restarted')[5])
-  uninterrupted = tf.train.load_checkpoint(_Trained(runs, 'graph')[5])
+  restarted = tf.train.load_checkpoint(launcher_util.Trained(runs, 'restarted')[5])
+  uninterrupted = tf.train.load_checkpoint(launcher_util.Trained(runs, 'graph')[5])
   names = restarted.get_variable_to_shape_map()
   assert set(names) == set(uninterrupted.get_variable_to_shape_map())
   assert len(names) > 50  # Weights, Adam slots, global step.
@@ -358,55 +349,7 @@ def _TraceOneLauncherStep(logdir, split_size=None, num_stages=None):
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.Session(
         flagsaver.flags.FLAGS.tf_master) as sess:
-      cluster = cluster_factory.Cluster(cfg.cluster)
-      cluster.InitDevices(sess)
-      with cluster, tf.device(cluster.GetPlacer()):
-        model = cfg.Instantiate()
-        model.ConstructFPropBPropGraph()
-      sess.run(tf.compat.v1.global_variables_initializer())
-      metadata = tf.compat.v1.RunMetadata()
-      sess.run(model.GetTask().train_op,
-               options=tf.compat.v1.RunOptions(
-                   trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-               run_metadata=metadata)
-  return metadata, model.GetTask()
-
-
-# Kernels by the cell they belong to. Inside the stage functions node names
-# lose the cell's scope, so cells are told apart by their layers' names.
-_CELL_KERNELS = {
-    'embedding': r'^GatherV2$',
-    'attention': r'(^|/)self_atten/.*MatMul',
-    'feedforward': r'(^|/)fflayer/.*MatMul',
-    'softmax': r'(^|/)proj/MatMul',
-}
-
-# Ops that move a tensor to the device that consumes it.
-_TRANSFER_OPS = ('_Send', '_Recv', '_HostSend', '_HostRecv', 'Identity',
-                 'NoOp')
-
-
-def _StageCall(node):
-  """(tower, stage) of a kernel run inside a forward stage call, or None.
-
-  Kernels without inputs are left out (as `trace.StepKernels` does): e.g.
-  the constants Grappler adds for an inlined call's control inputs run
-  wherever the executor puts them, and do no work of the call.
-
-  Args:
-    node: A NodeExecStats of a traced step.
-
-  Returns:
-    (tower, stage) or None.
-  """
-  call = re.search(
-      r'/tower_0_(\d)/gpipe/chunk(\d)_mb\d+/StatefulPartitionedCall/',
-      node.node_name)
-  label = re.search(r'= (\w+)\((.*)\)', node.timeline_label)
-  if (call and label and label.group(1) not in _TRANSFER_OPS and
-      label.group(2)):
-    return int(call.group(1)), int(call.group(2))
-  return None
+      return launcher_util.TraceTrainStep(cfg, sess)
 
 
 @pytest.mark.slow
@@ -422,11 +365,11 @@ def testStageKRunsOnDeviceK(tmp_path):
   for dev in metadata.step_stats.dev_stats:
     device = int(re.search(r'CPU:(\d+)$', dev.device).group(1))
     for node in dev.node_stats:
-      for kind, pattern in _CELL_KERNELS.items():
+      for kind, pattern in launcher_util.CELL_KERNELS.items():
         if re.search(pattern, node.node_name):
           grad = '-grad' if node.node_name.startswith('gradients/') else ''
           kinds[device].add(kind + grad)
-      call = _StageCall(node)
+      call = launcher_util.StageCall(node)
       if call:
         stage_calls[call[1]].add(device)
   transformer = {'attention', 'attention-grad', 'feedforward',
@@ -445,7 +388,7 @@ def testTwoReplicasOfTwoStagesRunOnTheirOwnDevices(tmp_path):
   for dev in metadata.step_stats.dev_stats:
     device = int(re.search(r'CPU:(\d+)$', dev.device).group(1))
     for node in dev.node_stats:
-      call = _StageCall(node)
+      call = launcher_util.StageCall(node)
       if call:
         calls[call].add(device)
   assert dict(calls) == {
@@ -479,9 +422,9 @@ def testTwoStagesOnAFourDeviceSplitRunOnCpu0And1(tmp_path):
   for dev in metadata.step_stats.dev_stats:
     device = int(re.search(r'CPU:(\d+)$', dev.device).group(1))
     for node in dev.node_stats:
-      if any(re.search(p, node.node_name) for p in _CELL_KERNELS.values()):
+      if any(re.search(p, node.node_name) for p in launcher_util.CELL_KERNELS.values()):
         busy.add(device)
-      call = _StageCall(node)
+      call = launcher_util.StageCall(node)
       if call:
         calls[call[1]].add(device)
   assert dict(calls) == {0: {0}, 1: {1}}
@@ -522,7 +465,7 @@ def testEagerLauncherRunsStageKOnCpuK(tmp_path):
         call = re.search(
             r'/gpipe/chunk(\d)_mb\d+(_\d+)?/StatefulPartitionedCall/',
             node.name)
-        if call and node.op not in _TRANSFER_OPS:
+        if call and node.op not in launcher_util.TRANSFER_OPS:
           stages[node.device].add(int(call.group(1)))
   assert dict(stages) == {device: {k}
                           for k, device in enumerate(engine_util.CPUS)}
@@ -574,19 +517,6 @@ def testProgressLinesNameStartUpThenTheRate(capsys):
   assert progress.ExamplesPerSecond() == 16.0
 
 
-def _SummaryLosses(runs, name):
-  """{step: loss} of a run's TensorBoard events (float32, not rounded)."""
-  directory = os.path.join(runs['tmp'], name, 'train')
-  (events,) = [os.path.join(directory, f) for f in os.listdir(directory)
-               if f.startswith('events.')]
-  losses = {}
-  for event in tf.compat.v1.train.summary_iterator(events):
-    for value in event.summary.value:
-      if value.tag == 'loss':
-        losses[event.step] = value.simple_value
-  return losses
-
-
 @pytest.mark.slow
 def testOneFOneBTrainsAsGPipe(runs):
   """lm.GPipeCharLmTiny1F1B: the loss in the pipeline, the same training.
@@ -600,15 +530,15 @@ def testOneFOneBTrainsAsGPipe(runs):
   Args:
     runs: The fixture.
   """
-  model, last_step, _, _, _, ckpt = _Trained(runs, '1f1b')
+  model, last_step, _, _, _, ckpt = launcher_util.Trained(runs, '1f1b')
   assert (model, int(last_step)) == (MODEL + '1F1B', STEPS)
-  one_f_one_b = _SummaryLosses(runs, '1f1b')
-  gpipe = _SummaryLosses(runs, 'gpipe_loop')
+  one_f_one_b = launcher_util.SummaryLosses(runs, '1f1b')
+  gpipe = launcher_util.SummaryLosses(runs, 'gpipe_loop')
   assert sorted(one_f_one_b) == sorted(gpipe) == list(range(1, STEPS + 1))
   for step in gpipe:
     assert abs(one_f_one_b[step] - gpipe[step]) <= 1e-5 * gpipe[step], step
   weights = tf.train.load_checkpoint(ckpt)
-  reference = tf.train.load_checkpoint(_Trained(runs, 'gpipe_loop')[5])
+  reference = tf.train.load_checkpoint(launcher_util.Trained(runs, 'gpipe_loop')[5])
   assert (weights.get_variable_to_shape_map() ==
           reference.get_variable_to_shape_map())
   values = _Metrics(runs, 'eval_1f1b', 'eval_dev', STEPS)
