@@ -380,14 +380,21 @@ class Interpreter:
     are on their chunk's devices, None where not differentiable.
     """
     num_micro = self.step.table.num_micro_batches
+
+    def Stacked(a):
+      # The spare slot may hold a placeholder whose unknown dimensions are
+      # 0, which a gather of a list of unknown element shape would merge
+      # with the micro-batches' shapes: it gets micro-batch 0's copy.
+      return a.write(num_micro, a.read(0)).gather(tf.range(num_micro))
+
     outputs = []
     for e, edge in enumerate(self.edges):
       if edge.target is None:
         with tf.device(self.BufferDevice('data', e)):
-          outputs += [a.gather(tf.range(num_micro)) for a in v['data'][e]]
+          outputs += [Stacked(a) for a in v['data'][e]]
     with tf.device(self.chunks[0].device):  # None in an evaluation step.
-      d_inputs = Scatter([a.gather(tf.range(num_micro))
-                          for a in v['grad'][0]], self.Differentiable(0)
+      d_inputs = Scatter([Stacked(a) for a in v['grad'][0]],
+                         self.Differentiable(0)
                          if v['grad'][0] else [False] * len(
                              self.Differentiable(0)))
     placed = {}

@@ -100,24 +100,28 @@ class Buffers:
     return []
 
   @staticmethod
-  def WriteTick(interp, phases: Sequence[str], fields, v) -> None:
+  def WriteTick(interp, sending: Dict[str, Sequence[int]], fields,
+                v) -> None:
     """Writes what the tick sent to the buffers, at the rows' write slots.
+
+    Only the edges that some instruction of the segment sends on are
+    written (at the spare slot at a tick where none does): the others'
+    placeholders, whose unknown dimensions are 0, must not land in a buffer
+    whose gathered slots hold real micro-batches.
 
     Args:
       interp: The interpreter.
-      phases: The phases of the segment's instructions.
+      sending: {'sent': edges, 'sent_grad': edges} the segment's
+        instructions send tensors or gradients on.
       fields: Every edge field of the tick: {(field, edge): slot}.
       v: The variables after the tick's instructions; updated.
     """
-    for e, edge in enumerate(interp.edges):
-      if F in phases and edge.source is not None and v['data'][e]:
-        with tf.device(interp.BufferDevice('data', e)):
-          v['data'][e] = [a.write(fields['data_write', e], t)
-                          for a, t in zip(v['data'][e], v['sent'][e])]
-      if B in phases and edge.target is not None and v['grad'][e]:
-        with tf.device(interp.BufferDevice('grad', e)):
-          v['grad'][e] = [a.write(fields['grad_write', e], g)
-                          for a, g in zip(v['grad'][e], v['sent_grad'][e])]
+    for kind, sent in (('data', 'sent'), ('grad', 'sent_grad')):
+      for e in sending[sent]:
+        if v[kind][e]:
+          with tf.device(interp.BufferDevice(kind, e)):
+            v[kind][e] = [a.write(fields[f'{kind}_write', e], t)
+                          for a, t in zip(v[kind][e], v[sent][e])]
 
 
 class _Queue:
