@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 RUNS = {
     'tiny': [
-        'keras', '--num_layers=2', '--dim=64', '--batch=2048', '--steps=1',
+        'keras', '--num_layers=2', '--dim=64', '--batch=8192', '--steps=1',
         '--repeats=1', '--keras_modes=function', '--keras_micro_batches=4',
         '--json_out={tmp}/keras.json'
     ],
@@ -48,8 +48,11 @@ def testTableAndNumbers(runs):
     line = re.search(rf'^{re.escape(row["name"])} +([\d.]+) +([\d.]+)',
                      stdout, re.M)
     assert float(line.group(1)) == pytest.approx(row['step_s'], abs=5e-4)
-  # Activations of 2 x 2048 x 64 floats (1 MiB) dominate: with recompute and
-  # 4 micro-batches the peak is lower than the plain model's.
+  # Activations of 2 x 8192 x 64 floats (4 MiB) dominate: with recompute and
+  # 4 micro-batches the peak is lower than the plain model's. (At 2048 rows,
+  # 1 MiB, the order in which the function's kernels ran moved both peaks by
+  # up to 1 MiB: 2.5 against 4.0 to 4.5 MiB in most runs, 3.56 against 3.49
+  # in one.)
   assert numbers['rows'][3]['peak_mib'] < plain['peak_mib']
   assert numbers['keras_version'].startswith('3.')
 
