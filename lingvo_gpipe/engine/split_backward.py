@@ -21,7 +21,7 @@ function of its own, pruned from the graph (`WrappedFunction.prune`):
 * `Weight`: W, from the weights and the weight stash.
 
 A part is cut out of the graph by copying the ops its results need from the
-given tensors (`_Prune`), through data edges only: a control edge into the
+given tensors (`_Parts`), through data edges only: a control edge into the
 other part (e.g. to a check the forward already ran) is dropped.
 
 Tensors crossing a cut whose value is static (shapes, reduction axes) are
@@ -63,77 +63,84 @@ def _Closure(fetches: Sequence[tf.Tensor], stops: Set[Any]) -> Set[Any]:
   return ops
 
 
-def _Prune(graph: Any, feeds: Sequence[tf.Tensor],
-           fetches: Sequence[tf.Tensor]) -> Any:
-  """A function of `feeds` computing `fetches` with the ops of `graph`.
+class _Parts:
+  """Cuts functions out of one graph (its GraphDef serialized once)."""
 
-  Copies (as a GraphDef) the ops the fetches need from the feeds, each feed
-  becoming a placeholder; tensors the graph captured are captured again.
-  A feed may be one output of an op whose other outputs are computed. The
-  copies lose their colocation constraints (the call's device places them).
+  def __init__(self, graph: Any):
+    self._graph = graph
+    self._graph_def = graph.as_graph_def()
+    self._nodes = {node.name: node for node in self._graph_def.node}
+    # The graph's captures: internal placeholder ref -> outer tensor.
+    self._captured = {internal.ref(): external
+                      for external, internal in graph.captures}
 
-  Args:
-    graph: The FuncGraph holding feeds and fetches.
-    feeds: Its tensors the function takes, in order.
-    fetches: Its tensors the function returns, in order.
+  def Function(self, feeds: Sequence[tf.Tensor],
+               fetches: Sequence[tf.Tensor]) -> Any:
+    """A function of `feeds` computing `fetches` with the graph's ops.
 
-  Returns:
-    A concrete function (`tf.compat.v1.wrap_function`).
+    Copies (as a GraphDef) the ops the fetches need from the feeds, each
+    feed becoming a placeholder; tensors the graph captured are captured
+    again. A feed may be one output of an op whose other outputs are
+    computed. The copies lose their colocation constraints (the call's
+    device places them).
 
-  Raises:
-    ValueError: if a fetch needs a placeholder that is not fed (a bug of the
-      cut).
-  """
-  captured = {internal.ref(): external
-              for external, internal in graph.captures}
-  given = {t.ref() for t in feeds}
-  given.update(r for r in captured if r not in given)
-  ops = _Closure(fetches, given)
-  for op in ops:
-    if op.type == 'Placeholder':
-      raise ValueError(f'{op.name} is needed by {list(fetches)} but not fed.')
-  placeholder = {}
-  for t in list(feeds) + [r.deref() for r in captured]:
-    placeholder.setdefault(t.name, f'split_backward_fed_{len(placeholder)}')
-  graph_def = graph.as_graph_def()
-  nodes = {node.name: node for node in graph_def.node}
-  pruned = tf.compat.v1.GraphDef(library=graph_def.library,
-                                 versions=graph_def.versions)
-  for t_name, name in placeholder.items():
-    t = graph.get_tensor_by_name(t_name)
-    node = pruned.node.add(name=name, op='Placeholder')
-    node.attr['dtype'].type = t.dtype.as_datatype_enum
-    node.attr['shape'].shape.CopyFrom(t.shape.as_proto())
-  names = {op.name for op in ops}
-  for op in ops:
-    node = pruned.node.add()
-    node.CopyFrom(nodes[op.name])
-    del node.input[:]
-    if '_class' in node.attr:  # Colocation with ops it may not copy.
-      del node.attr['_class']
-    for edge in nodes[op.name].input:
-      if edge.startswith('^'):
-        if edge[1:] in names:  # Control edges within the part alone.
-          node.input.append(edge)
-        continue
-      tensor = edge if ':' in edge else edge + ':0'
-      node.input.append(placeholder.get(tensor, edge))
-  fetch_names = [f'{placeholder[t.name]}:0' if t.name in placeholder else
-                 t.name for t in fetches]
-  fed = [t for t in feeds]
-  captures = [(placeholder[r.deref().name], external)
-              for r, external in captured.items() if r not in
-              {t.ref() for t in feeds}]
+    Args:
+      feeds: Tensors of the graph the function takes, in order.
+      fetches: Tensors of the graph it returns, in order.
 
-  def Run(*values):
-    input_map = {f'{placeholder[t.name]}:0': v for t, v in zip(fed, values)}
-    input_map.update({f'{name}:0': external for name, external in captures})
-    return tf.graph_util.import_graph_def(pruned, input_map=input_map,
-                                          return_elements=fetch_names,
-                                          name='')
+    Returns:
+      A concrete function (`tf.compat.v1.wrap_function`).
 
-  return tf.compat.v1.wrap_function(
-      Run, [tf.TensorSpec(t.shape, t.dtype) for t in fed])
+    Raises:
+      ValueError: if a fetch needs a placeholder that is not fed (a bug of
+        the cut).
+    """
+    fed = {t.ref() for t in feeds}
+    captures = [(r, outer) for r, outer in self._captured.items()
+                if r not in fed]
+    ops = _Closure(fetches, fed | {r for r, _ in captures})
+    for op in ops:
+      if op.type == 'Placeholder':
+        raise ValueError(f'{op.name} is needed by {list(fetches)} but not '
+                         'fed.')
+    placeholder = {}
+    for t in list(feeds) + [r.deref() for r, _ in captures]:
+      placeholder.setdefault(t.name, f'split_backward_fed_{len(placeholder)}')
+    part = tf.compat.v1.GraphDef(library=self._graph_def.library,
+                                 versions=self._graph_def.versions)
+    for t_name, name in placeholder.items():
+      t = self._graph.get_tensor_by_name(t_name)
+      node = part.node.add(name=name, op='Placeholder')
+      node.attr['dtype'].type = t.dtype.as_datatype_enum
+      node.attr['shape'].shape.CopyFrom(t.shape.as_proto())
+    names = {op.name for op in ops}
+    for op in ops:
+      node = part.node.add()
+      node.CopyFrom(self._nodes[op.name])
+      del node.input[:]
+      if '_class' in node.attr:  # Colocation with ops it may not copy.
+        del node.attr['_class']
+      for edge in self._nodes[op.name].input:
+        if edge.startswith('^'):
+          if edge[1:] in names:  # Control edges within the part alone.
+            node.input.append(edge)
+          continue
+        tensor = edge if ':' in edge else edge + ':0'
+        node.input.append(placeholder.get(tensor, edge))
+    fetch_names = [f'{placeholder[t.name]}:0' if t.name in placeholder else
+                   t.name for t in fetches]
+
+    def Run(*values):
+      input_map = {f'{placeholder[t.name]}:0': v
+                   for t, v in zip(feeds, values)}
+      input_map.update({f'{placeholder[r.deref().name]}:0': outer
+                        for r, outer in captures})
+      return tf.graph_util.import_graph_def(part, input_map=input_map,
+                                            return_elements=fetch_names,
+                                            name='')
+
+    return tf.compat.v1.wrap_function(
+        Run, [tf.TensorSpec(t.shape, t.dtype) for t in feeds])
 
 
 def _Crossing(fetches: Sequence[tf.Tensor], stops: Set[Any],
@@ -255,16 +262,17 @@ class BackwardSplit:
     self._forward_cut = _Cut(_Crossing(
         input_fetches + self._weight_cut.tensors, given, forward_ops))
     self.stash_specs = self._forward_cut.specs
-    self._forward = _Prune(graph, list(args),
-                           list(results) + self._forward_cut.tensors)
-    self._input_keeping = _Prune(
-        graph, list(args) + list(d_outputs) + self._forward_cut.tensors,
+    parts = _Parts(graph)
+    self._forward = parts.Function(
+        list(args), list(results) + self._forward_cut.tensors)
+    self._input_keeping = parts.Function(
+        list(args) + list(d_outputs) + self._forward_cut.tensors,
         input_fetches + self._weight_cut.tensors)
-    self._input_recomputing = _Prune(
-        graph, list(args) + list(d_outputs),
+    self._input_recomputing = parts.Function(
+        list(args) + list(d_outputs),
         input_fetches + self._weight_cut.tensors)
-    self._weight = _Prune(
-        graph, list(args[:self._num_theta]) + self._weight_cut.tensors,
+    self._weight = parts.Function(
+        list(args[:self._num_theta]) + self._weight_cut.tensors,
         weight_fetches)
 
   def Forward(self, args: Sequence[tf.Tensor]
