@@ -7,6 +7,7 @@ it; TF_ENABLE_ONEDNN_OPTS stays as the caller set it.
 """
 
 import collections
+import gc
 import os
 
 from benchmarks import host
@@ -20,6 +21,13 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.planning import schedule  # pylint: disable=g-import-not-at-top
 
 NUM_CPU_DEVICES = 4
+
+# Python's collector every 50000 allocations instead of 700, and a full
+# collection after 100 young ones instead of 10: building TF graphs allocates
+# millions of objects, which the default thresholds scan again and again (9%
+# of pipeline_test's time, 2% with these; the graphs are freed by reference
+# counting either way).
+gc.set_threshold(50000, 20, 100)
 
 # Lingvo reads absl flags at import and layer construction time.
 flags.FLAGS(['pytest'], known_only=True)
@@ -38,22 +46,28 @@ def engine(request):
 
 
 @pytest.fixture(autouse=True)
-def _NoGlobalSeedAfterTheTest():
-  """Unsets TensorFlow's global seed after every test.
+def _SameGlobalSeedInEveryTest():
+  """Runs every test with TensorFlow's global seed 1, unset afterwards.
 
-  A test that calls `tf.random.set_seed` would otherwise change the eager
-  ops' seeds of the tests after it in the same process (e.g. the order of a
-  seeded `Dataset.shuffle`), which depends on how pytest-xdist spreads the
-  files.
+  With a global seed, Lingvo seeds each variable from its name, eagerly as
+  in a seeded graph, so a test draws the same weights in every run and on
+  every host. Without one, an eager test's weights were new in every run, and
+  a transparency check failed about once in 30 runs: a gradient summed in
+  another order by the pipeline is exact to float round-off, which a rare
+  draw of weights (cancelling terms in a small bias gradient) amplifies past
+  1e-5. Unsetting the seed afterwards keeps a test that sets its own from
+  changing the tests after it in the same process (which depends on how
+  pytest-xdist spreads the files).
   """
+  tf.random.set_seed(1)
   yield
   tf.random.set_seed(None)
 
 
 # The files that take longest in `make test`, longest first: their
-# subprocess fixtures (train_test 200 s of CPU, benchmark_test 160 s,
-# plan_test 100 s on the AMD EPYC host of docs/install.md) and the longest
-# in-process files (1.5 to 3 min each next to them), measured 2026-12-07.
+# subprocess fixtures (train_test 185 to 205 s of CPU, benchmark_test 115 s,
+# plan_test 85 s on the AMD EPYC host of docs/install.md) and the longest
+# in-process files (1 to 2 min of CPU each), measured 2026-12-07.
 LONGEST_FILES = (
     'train_test.py', 'benchmark_test.py', 'sparse_gradients_test.py',
     'layers_test.py', 'plan_test.py', 'pipeline_test.py', 'docs_test.py',

@@ -284,9 +284,15 @@ def test_dev_eval_uses_the_moving_stats(trained):
 
 
 def test_input_same_in_graph_and_eager_mode():
-  """Two batches from a TF1 session equal two from an eager tf.function."""
+  """Two batches from a TF1 session equal two from an eager tf.function.
+
+  Both with the same global seed (a graph's, and eagerly TensorFlow's, which
+  conftest.py sets for every test), from which the input's seeded ops draw.
+  """
   p = TINY.Train()
   graph = tf.Graph()
+  graph.seed = 1
+  tf.random.set_seed(1)
   with graph.as_default():
     batch = p.Instantiate().GetPreprocessedInputBatch()
     with tf.Session(graph=graph) as sess:

@@ -81,7 +81,7 @@ RUNS = {
     'auto_lm': [
         'auto', '--model=lm.GPipeCharLmTiny', '--num_devices=2',
         '--memory_per_device=64MiB', '--verify=1', '--verify_steps=2',
-        '--verify_workers=2', '--top=5', '--json_out={tmp}/auto_lm.json'
+        '--top=5', '--json_out={tmp}/auto_lm.json'
     ],
     'auto_fc': [
         'auto', '--model=benchmarks.fc_model.FcStackTiny', '--num_devices=2',
@@ -396,7 +396,7 @@ def testAutoVerifiesTheBest(runs):
       numbers['overrides'])
   assert 'Chosen: K=' in stdout and 'Select it with:' in stdout
   assert "--model_params_override='task.stack.num_stages: " in stdout
-  assert ('Verifying 1 configuration(s), each 3 + 2 training steps in 2 '
+  assert ('Verifying 1 configuration(s), each 3 + 2 training steps in 1 '
           'fresh worker(s)') in stdout
   # What the measured data-parallel step held beyond its prediction is
   # charged to every configuration with replicas, and only to those.
@@ -454,17 +454,30 @@ def testAutoNothingFits(runs):
   assert f'the smallest predicted peak is {smallest:.0f} bytes' in errors[0]
   assert 'rank' in stdout  # The table is printed all the same.
   # The profile came from auto_fc's --profile_out, not from a worker, and
-  # predicts what it predicted there for every candidate.
+  # predicts what it predicted there for every configuration. With no room
+  # at all, every partition is the fastest one; where the fastest did not fit
+  # auto_fc's 20 KiB, it partitioned again under a memory limit (which of
+  # them did depends on the profiled times).
   assert 'Profiling' not in stdout
   with open(os.path.join(runs['tmp'], 'fc_prof.json')) as f:
     assert numbers['profile'] == json.load(f)
   with open(os.path.join(runs['tmp'], 'auto_fc.json')) as f:
     reference = json.load(f)['candidates']
-  assert _Predictions(numbers['candidates']) == _Predictions(reference)
+  assert {c['partition_rule'] for c in numbers['candidates']} == {'fastest'}
+  assert _Shapes(numbers['candidates']) == _Shapes(reference)
+  fastest = [c for c in reference if c['partition_rule'] == 'fastest']
+  assert fastest and _Predictions(fastest).items() <= _Predictions(
+      numbers['candidates']).items()
+
+
+def _Shapes(candidates):
+  """The candidates' configurations without their partitions."""
+  return sorted(json.dumps([c[k] for k in _CANDIDATE_KEYS[:7] if
+                            k != 'partition']) for c in candidates)
 
 
 def _Predictions(candidates):
-  """{candidate's shape: (predicted step, predicted peak)}."""
+  """{candidate's configuration: (predicted step, predicted peak)}."""
   return {
       json.dumps([c[k] for k in _CANDIDATE_KEYS[:7]]): (
           c['predicted_step_s'], c['predicted_peak_bytes'])
