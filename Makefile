@@ -36,9 +36,8 @@ train: $(STAMP)
 	    --job=trainer_client,evaler_dev --logdir=$(LOGDIR)
 
 # Every test, in two processes (pytest-xdist), each test file in one of them
-# (module fixtures such as train_test's training runs then run once): about
-# 14 min on a quiet 2-core machine (docs/install.md), against 18 min in one
-# process.
+# (module fixtures such as train_test's training runs then run once): 11 to
+# 12 min on a quiet 2-core machine with oneDNN on or off (docs/install.md).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
