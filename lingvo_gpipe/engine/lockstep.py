@@ -67,7 +67,7 @@ def _Fields(segment: rows_lib.Segment, rows: List[List[tf.Tensor]]
 
 def _Tick(interp: interpreter_lib.Interpreter, segment: rows_lib.Segment,
           rows: List[List[tf.Tensor]], v: Dict[str, Any],
-          sending: Dict[str, List[int]], lowered: bool) -> Dict[str, Any]:
+          changes: Dict[str, List[int]], lowered: bool) -> Dict[str, Any]:
   """One tick: every device's instruction, then the writes to the buffers."""
   buffers = transport_lib.Buffers
   fields = _Fields(segment, rows)
@@ -93,7 +93,7 @@ def _Tick(interp: interpreter_lib.Interpreter, segment: rows_lib.Segment,
           Current, f'device{k}_{"_".join(sorted(segment.phases))}', lowered)
     for (field, i), value in zip(changed, values):
       v[field][i] = value
-  buffers.WriteTick(interp, sending, fields[0], v)
+  buffers.WriteTick(interp, changes, fields[0], v)
   return v
 
 
@@ -161,10 +161,8 @@ def Run(interp: interpreter_lib.Interpreter, ticks: range,
         with tf.device(interp.DeviceName(k)):
           counters.append(tf.constant(0, name=f'{name}_tick_{i}'))
 
-    sending = {key: changes[key] for key in ('sent', 'sent_grad')}
-
     def Body(counters, loop_vars, segment=segment, fixed=fixed, merge=Merge,
-             select=Select, sending=sending):
+             select=Select, changes=changes):
       rows = []
       for k, (t, table) in enumerate(zip(counters, segment.rows)):
         with tf.device(interp.DeviceName(k)):
@@ -172,7 +170,7 @@ def Run(interp: interpreter_lib.Interpreter, ticks: range,
       new = _Tick(interp, segment, rows,
                   dict(fixed, **{key: merge(key, value)
                                  for key, value in loop_vars.items()}),
-                  sending, lowered)
+                  changes, lowered)
       next_counters = []
       for k, t in enumerate(counters):
         with tf.device(interp.DeviceName(k)):

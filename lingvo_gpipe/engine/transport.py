@@ -100,7 +100,7 @@ class Buffers:
     return []
 
   @staticmethod
-  def WriteTick(interp, sending: Dict[str, Sequence[int]], fields,
+  def WriteTick(interp, changes: Dict[str, Sequence[int]], fields,
                 v) -> None:
     """Writes what the tick sent to the buffers, at the rows' write slots.
 
@@ -111,13 +111,13 @@ class Buffers:
 
     Args:
       interp: The interpreter.
-      sending: {'sent': edges, 'sent_grad': edges} the segment's
-        instructions send tensors or gradients on.
+      changes: What the segment's instructions change; its 'sent' and
+        'sent_grad' are the edges they send tensors or gradients on.
       fields: Every edge field of the tick: {(field, edge): slot}.
       v: The variables after the tick's instructions; updated.
     """
     for kind, sent in (('data', 'sent'), ('grad', 'sent_grad')):
-      for e in sending[sent]:
+      for e in changes[sent]:
         if v[kind][e]:
           with tf.device(interp.BufferDevice(kind, e)):
             v[kind][e] = [a.write(fields[f'{kind}_write', e], t)
