@@ -34,9 +34,9 @@ import pytest
 from lingvo import compat as tf
 from lingvo.core import py_utils
 
+from benchmarks import loopback
 import engine_util
 import launcher_util
-import loopback_server
 import tool_util
 from tools import train
 from tools import workers
@@ -74,7 +74,7 @@ class WorkerProcesses:
 
   def __init__(self, tmp, num_tasks, num_devices):
     self.addresses = [f'127.0.0.1:{port}'
-                      for port in loopback_server.FreePorts(num_tasks)]
+                      for port in loopback.FreePorts(num_tasks)]
     self.spec = 'worker=' + ','.join(self.addresses)
     self._tmp = tmp
     self._num_devices = num_devices
@@ -429,7 +429,7 @@ def testBadClusterFlagsAreOneLine(tmp_path, capsys, flag_values, message):
 
 def testUnreachableWorkerIsNamedAfterTheTimeout(tmp_path, capsys):
   """No server on the port: the client waits --worker_timeout, then fails."""
-  (port,) = loopback_server.FreePorts(1)
+  (port,) = loopback.FreePorts(1)
   started = time.monotonic()
   assert _MainFails(
       capsys, str(tmp_path / 'logdir'), worker_timeout=1,

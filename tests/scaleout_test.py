@@ -21,7 +21,9 @@ from lingvo import compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
-import loopback_server
+from benchmarks import loopback
+from lingvo_gpipe.engine import channel
+from lingvo_gpipe.engine import pipeline
 import engine_util
 import test_util
 
@@ -183,7 +185,7 @@ def testMirroredStrategyReplicasOfAPipeline(engine):
 @pytest.fixture(scope='module')
 def loopback_cluster():
   """Two server processes, started once for this module, killed at its end."""
-  with loopback_server.LoopbackCluster(2) as cluster:
+  with loopback.LoopbackCluster(2) as cluster:
     yield cluster
 
 
@@ -198,13 +200,13 @@ def testClusterStartsOnNewPortsWhenAPortIsTaken(monkeypatch):
   taken.bind(('127.0.0.1', 0))
   taken.listen()
   port = taken.getsockname()[1]
-  proposals = [[port, loopback_server.FreePorts(1)[0]]]
-  real = loopback_server.FreePorts
+  proposals = [[port, loopback.FreePorts(1)[0]]]
+  real = loopback.FreePorts
   monkeypatch.setattr(
-      loopback_server, 'FreePorts',
+      loopback, 'FreePorts',
       lambda count: proposals.pop() if proposals else real(count))
   try:
-    with loopback_server.LoopbackCluster(2) as cluster:
+    with loopback.LoopbackCluster(2) as cluster:
       assert not proposals  # The taken port was tried first.
       assert f'127.0.0.1:{port}' not in cluster.addresses
       with tf.Graph().as_default():
@@ -291,6 +293,60 @@ def testStagesInTwoProcessesEqualOneProcess(servers, tmp_path, engine):
     plain.saver.restore(sess, path)
     expected = sess.run([plain.loss] + plain.grads) + sess.run(plain.train)
   engine_util.AssertTransparent(actual, expected)
+
+
+def _ZeroBubbleGraph(devices, executor):
+  """A K = 2, M = 4 'zb1p' step of engine_util's dense chunks (the last with
+  the loss) in a graph, on `devices`: (graph, [loss, gradients])."""
+  graph = tf.Graph()
+  with graph.as_default():
+    weights = [tf.constant(w) for w in engine_util.DENSE_WEIGHTS]
+    x = tf.constant(engine_util.DENSE_X)
+
+    def Chunk(theta, inputs, state, unused_micro_batch_id):
+      (y,) = inputs
+      for w in theta:
+        y = tf.tanh(tf.matmul(y, w))
+      return (y,), state
+
+    def LossChunk(theta, inputs, state, micro_batch_id):
+      (y,), state = Chunk(theta, inputs, state, micro_batch_id)
+      return (tf.reduce_mean(y * y),), state
+
+    if devices is None:
+      (loss,), _ = LossChunk(weights, [x], (), None)
+    else:
+      pipe = pipeline.Pipeline(
+          [Chunk, LossChunk], devices, 4, remat='never', engine='loop',
+          schedule='zb1p', executor=executor)
+      (loss,), _ = pipe([weights[:2], weights[2:]], [x], [(), ()])
+  with graph.as_default():
+    return graph, [loss] + tf.gradients(loss, weights)
+
+
+@pytest.mark.slow
+def testPerDeviceLoopsAcrossProcessesNeedTheIncarnations(servers):
+  """Functional per-device loops on two tasks pass tensors over Send/Recv,
+  whose keys must name the sending device's incarnation: with
+  `channel.DeviceIncarnations` they run and equal one process; without,
+  'per_device' says why and 'auto' runs lockstep loops."""
+  devices = [servers.Device(0), servers.Device(1)]
+  expected_graph, expected = _ZeroBubbleGraph(None, 'auto')
+  with tf.compat.v1.Session(graph=expected_graph) as sess:
+    expected = sess.run(expected)
+  with tf.compat.v1.Session(servers.target) as probe:
+    incarnations = probe.list_devices()
+  with channel.DeviceIncarnations(incarnations):
+    graph, fetches = _ZeroBubbleGraph(devices, 'per_device')
+  with _ClusterSession(servers, graph) as sess:
+    engine_util.AssertTransparent(sess.run(fetches), expected)
+  with pytest.raises(ValueError, match=r"executor='per_device' cannot run "
+                     r'this step: its devices are in several processes, and '
+                     r'the incarnations of .*task:0/device:CPU:0'):
+    _ZeroBubbleGraph(devices, 'per_device')
+  graph, fetches = _ZeroBubbleGraph(devices, 'auto')
+  with _ClusterSession(servers, graph) as sess:
+    engine_util.AssertTransparent(sess.run(fetches), expected)
 
 
 class _Background:

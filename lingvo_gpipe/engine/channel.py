@@ -8,6 +8,12 @@ one step gets the tensor of its k-th Send. Keys carry no loop frame, so both
 ends must sit in functional (unlowered) While loops, or outside loops as
 here, and XLA compiles neither op.
 
+A Recv in another process (task) than its Send gets the tensor only if the
+key names the sending device's incarnation, a number its server draws when
+it starts: build the step inside `DeviceIncarnations` with the cluster's
+devices (`session.list_devices()`), or the servers refuse the transfer.
+Within one process the incarnation is not checked (0 is used).
+
     >>> send_device = FullDeviceName('/cpu:0')
     >>> send_device
     '/job:localhost/replica:0/task:0/device:CPU:0'
@@ -25,14 +31,19 @@ here, and XLA compiles neither op.
     [1.0, 2.0]
 """
 
+import contextlib
+import contextvars
 import itertools
-from typing import Optional
+from typing import Any, Dict, Iterable, Optional
 
 import tensorflow as tf
 
 # Keys must be unique in a step even across functions that TensorFlow inlines
 # into one graph; a process-wide counter makes them so.
 _IDS = itertools.count()
+# Full device name -> incarnation, for channels built now (`DeviceIncarnations`).
+_INCARNATIONS = contextvars.ContextVar('lingvo_gpipe_device_incarnations',
+                                       default={})
 
 
 def FullDeviceName(device: str) -> Optional[str]:
@@ -57,6 +68,45 @@ def FullDeviceName(device: str) -> Optional[str]:
   return local.make_merged_spec(spec).to_string()
 
 
+@contextlib.contextmanager
+def DeviceIncarnations(devices: Iterable[Any]):
+  """Channels built inside name these devices' incarnations in their keys.
+
+  Needed where a step's devices are in several processes, e.g. K stages on
+  the K tasks of a cluster:
+
+      with tf.compat.v1.Session(target, graph=graph) as session:
+        with graph.as_default(), DeviceIncarnations(session.list_devices()):
+          ...  # Build the step.
+
+  A context variable: scoped to the `with` block and its thread.
+
+  Args:
+    devices: Devices with a `name` and an `incarnation`, as
+      `tf.compat.v1.Session.list_devices()` returns them.
+
+  Yields:
+    Nothing.
+  """
+  token = _INCARNATIONS.set({FullDeviceName(d.name): d.incarnation
+                             for d in devices})
+  try:
+    yield
+  finally:
+    _INCARNATIONS.reset(token)
+
+
+def Incarnations() -> Dict[str, int]:
+  """Full device name -> incarnation, as `DeviceIncarnations` set them."""
+  return dict(_INCARNATIONS.get())
+
+
+def Task(device: str) -> str:
+  """The process of a full device name: '/job:J/replica:R/task:T'."""
+  spec = tf.DeviceSpec.from_string(device)
+  return f'/job:{spec.job}/replica:{spec.replica}/task:{spec.task}'
+
+
 class Channel:
   """Sends tensors of one spec from one device to another, in order.
 
@@ -65,6 +115,8 @@ class Channel:
     send_device: The full name of the sending device.
     recv_device: The full name of the receiving device.
     key: The tensor name both ops share.
+    incarnation: The sending device's incarnation (`DeviceIncarnations`;
+      0 if not given).
   """
 
   def __init__(self, spec: tf.TensorSpec, send_device: str, recv_device: str,
@@ -73,18 +125,21 @@ class Channel:
     self.send_device = send_device
     self.recv_device = recv_device
     self.key = f'{name}_{next(_IDS)}'
+    self.incarnation = _INCARNATIONS.get().get(send_device, 0)
 
   def Send(self, t: tf.Tensor) -> tf.Operation:
     """The op that sends `t` (build it on the sending device)."""
     return tf.raw_ops.Send(
         tensor=t, tensor_name=self.key, send_device=self.send_device,
-        send_device_incarnation=0, recv_device=self.recv_device)
+        send_device_incarnation=self.incarnation,
+        recv_device=self.recv_device)
 
   def Recv(self) -> tf.Tensor:
     """The next tensor sent (build it on the receiving device)."""
     t = tf.raw_ops.Recv(
         tensor_type=self.spec.dtype, tensor_name=self.key,
-        send_device=self.send_device, send_device_incarnation=0,
+        send_device=self.send_device,
+        send_device_incarnation=self.incarnation,
         recv_device=self.recv_device)
     t.set_shape(self.spec.shape)
     return t

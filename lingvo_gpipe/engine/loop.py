@@ -64,6 +64,18 @@ from lingvo_gpipe.planning import schedule
 EXECUTORS = ('auto', 'lockstep', 'per_device')
 
 
+def _Channels(lowered: bool) -> bool:
+  """Whether per-device loops pass tensors over channels (else queues).
+
+  Functional loops take channels; lowered ones (or control flow v1) key
+  Send/Recv by their own loop frame, and take queues.
+
+  Args:
+    lowered: Whether the loops are lowered (`control_flow.Lowered`).
+  """
+  return not lowered and tf.compat.v1.control_flow_v2_enabled()
+
+
 def _PerDeviceBlocker(step: lowering.Step,
                       devices: Sequence[str]) -> Optional[str]:
   """Why the per-device executor cannot run a step here, or None."""
@@ -79,6 +91,12 @@ def _PerDeviceBlocker(step: lowering.Step,
   names = [channel.FullDeviceName(d) for d in devices]
   if None in names or len(set(names)) < len(names):
     return f'its devices {list(devices)} are not K distinct named devices'
+  unknown = [n for n in names if n not in channel.Incarnations()]
+  if (_Channels(control_flow.Lowered()) and unknown and
+      len({channel.Task(n) for n in names}) > 1):
+    return (f'its devices are in several processes, and the incarnations of '
+            f'{unknown} are unknown (build the step inside '
+            '`channel.DeviceIncarnations(session.list_devices())`)')
   if not step.ChannelOrderHolds():
     return ("the table's readers take some edge's micro-batches in another "
             'order than its writer sends them')
@@ -95,11 +113,9 @@ class Executor:
     if name == 'lockstep':
       self.transport = transport_lib.Buffers
     else:
-      # Functional loops take channels; lowered ones (or control flow v1)
-      # key Send/Recv by their own loop frame, and take queues.
-      queues = lowered or not tf.compat.v1.control_flow_v2_enabled()
       self.transport = transport_lib.Links(
-          interp, [channel.FullDeviceName(d) for d in devices], queues)
+          interp, [channel.FullDeviceName(d) for d in devices],
+          queues=not _Channels(lowered))
     self.interp = interp
 
   def Initial(self, states, d_states=None):
@@ -120,7 +136,9 @@ def ChooseExecutor(executor: str, step: lowering.Step,
 
   'auto' is 'per_device' where it can run (`per_device.py`: a TF1 graph,
   not under XLA, K >= 2 distinct named devices, every edge read in send
-  order), else 'lockstep'.
+  order; devices in several processes need their incarnations,
+  `channel.DeviceIncarnations`, unless the loops are lowered), else
+  'lockstep'.
 
   Args:
     executor: One of EXECUTORS.

@@ -1,9 +1,17 @@
-"""TensorFlow servers on loopback ports, one process each, for the tests.
+"""TensorFlow servers on loopback ports, one process each.
+
+The tests run stages in several processes with it, and the benchmarks give
+each stage a core of its own: a server pinned to one core runs all its ops
+there, where logical devices of one process share every core.
 
 As a script, serves task TASK of the job 'worker' until process PARENT exits
-(so that no server outlives the test process, even one that is killed):
+(so that no server outlives the process that started it, even one that is
+killed); CORE (optional, -1 for none) pins the server to that core, INTRA
+and INTER (optional, 0 for TensorFlow's defaults) set its threads per op and
+its ops run at once:
 
-    python tests/loopback_server.py 127.0.0.1:5001,127.0.0.1:5002 TASK PARENT
+    python benchmarks/loopback.py 127.0.0.1:5001,127.0.0.1:5002 TASK PARENT \
+        [CORE [INTRA [INTER]]]
 
 `LoopbackCluster` starts one such process per task on free ports, kills and
 restarts them, and kills them all when closed:
@@ -19,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import List
+from typing import List, Optional, Sequence
 
 JOB = 'worker'
 READY = 'listening'  # What a server prints once its port is bound.
@@ -49,7 +57,8 @@ class LoopbackCluster:
   """
 
   def __init__(self, num_tasks: int, start_timeout: float = 120.0,
-               attempts: int = 3):
+               attempts: int = 3, cores: Optional[Sequence[int]] = None,
+               intra_op_threads: int = 0, inter_op_threads: int = 0):
     """Starts `num_tasks` servers and waits until they all listen.
 
     A port found free can be taken by another process (a connection of a
@@ -61,12 +70,22 @@ class LoopbackCluster:
       num_tasks: The number of tasks (processes).
       start_timeout: Seconds a server may take to start listening.
       attempts: How many sets of ports to try.
+      cores: The core each task is pinned to, or None for no pinning.
+      intra_op_threads: Threads per op in each server (0: TensorFlow's
+        default).
+      inter_op_threads: Ops each server runs at once (0: TensorFlow's
+        default, which is 1 in a server pinned to one core).
 
     Raises:
       RuntimeError: if a server exits in every attempt or does not listen in
         time (the servers already started are killed).
     """
     self._start_timeout = start_timeout
+    if cores is not None and len(cores) != num_tasks:
+      raise ValueError(f'cores={list(cores)} must name one core for each of '
+                       f'the {num_tasks} tasks.')
+    self._cores = list(cores) if cores is not None else [-1] * num_tasks
+    self._threads = [intra_op_threads, inter_op_threads]
     self._processes = [None] * num_tasks
     for attempt in range(1, attempts + 1):
       self.addresses = [f'127.0.0.1:{port}' for port in FreePorts(num_tasks)]
@@ -93,7 +112,8 @@ class LoopbackCluster:
   def _Launch(self, task: int) -> None:
     self._processes[task] = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), ','.join(self.addresses),
-         str(task), str(os.getpid())],
+         str(task), str(os.getpid()), str(self._cores[task])] +
+        [str(n) for n in self._threads],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True)
 
@@ -128,6 +148,10 @@ class LoopbackCluster:
             f'listening on {self.addresses[task]}; run `python {__file__} '
             f"{','.join(self.addresses)} {task} $$` to see why.")
 
+  def Pid(self, task: int) -> int:
+    """The process id of `task`'s server."""
+    return self._processes[task].pid
+
   def Kill(self, task: int) -> None:
     """Kills the process of `task` (SIGKILL) and waits until it is gone."""
     process = self._processes[task]
@@ -155,11 +179,43 @@ class LoopbackCluster:
     self.Close()
 
 
+def PinnedCluster(num_tasks: int,
+                  intra_op_threads: int = 0) -> LoopbackCluster:
+  """A server per task, task k pinned to the k-th core this process may use.
+
+  Each server runs two ops at once: with one, a pipeline step took 1.3 times
+  as long, and varied more (docs/benchmarks.md, zero bubble).
+
+  Args:
+    num_tasks: The number of servers.
+    intra_op_threads: Threads per op (0: TensorFlow's default, which is one
+      thread in a server pinned to one core).
+
+  Returns:
+    The started cluster.
+
+  Raises:
+    ValueError: if this process may run on fewer cores than `num_tasks`.
+  """
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < num_tasks:
+    raise ValueError(f'{num_tasks} servers pinned to a core each need '
+                     f'{num_tasks} cores, and this process may run on '
+                     f'{len(cores)} ({cores}).')
+  return LoopbackCluster(num_tasks, cores=cores[:num_tasks],
+                         intra_op_threads=intra_op_threads, inter_op_threads=2)
+
+
 def main(argv: List[str]) -> None:
   addresses, task, parent = argv[1].split(','), int(argv[2]), int(argv[3])
+  core, intra, inter = (int(a) for a in (argv[4:] + ['-1', '0', '0'])[:3])
+  if core >= 0:  # Before TensorFlow starts its threads: all of them pinned.
+    os.sched_setaffinity(0, {core})
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   server = tf.distribute.Server(
-      tf.train.ClusterSpec({JOB: addresses}), job_name=JOB, task_index=task)
+      tf.train.ClusterSpec({JOB: addresses}), job_name=JOB, task_index=task,
+      config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=intra,
+                                      inter_op_parallelism_threads=inter))
   print(READY, flush=True)
   # Once the parent is gone this process is re-parented: stop serving.
   while os.getppid() == parent:
