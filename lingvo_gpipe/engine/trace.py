@@ -120,8 +120,10 @@ _PLUMBING_OPS = frozenset(['_Send', '_Recv', '_HostSend', '_HostRecv', 'NoOp',
                            '_Arg', '_Retval', 'Identity', 'IdentityN',
                            'Assert', 'QueueEnqueueV2', 'QueueDequeueV2'])
 _LABEL_RE = re.compile(r'^\S+ = ([\w.]+)\((.*)\)')
-# Nodes the graph partitioner adds (transfers, control edges): '.../_<n>'.
-_PARTITIONER_NODE_RE = re.compile(r'(^|/)_\d+$')
+# Nodes the graph partitioner adds: transfers and control edges,
+# '.../_<n>', and, where a loop spans processes, each process's copy of the
+# loop's control ('_cloop<node>').
+_PARTITIONER_NODE_RE = re.compile(r'(^|/)_\d+$|^_cloop')
 
 
 def StepKernels(step_stats: Any) -> List[Kernel]:
@@ -129,7 +131,7 @@ def StepKernels(step_stats: Any) -> List[Kernel]:
 
   Kernels without inputs (constants, variable handles, arguments), asserts,
   transfers (Send/Recv, queue ops) and the partitioner's transfer and
-  control nodes (`.../_<n>`) are left out: they run whenever the executor
+  control nodes (`.../_<n>`, `_cloop...`) are left out: they run whenever the executor
   gets to them, or wait for another device, not when their call runs.
 
   Args:
