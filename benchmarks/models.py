@@ -10,7 +10,7 @@ build models.
 """
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 
 def FcCells(num_layers: int, dim: int, he_init: bool = True) -> List[Any]:
@@ -64,11 +64,14 @@ def UniformSplit(num_cells: int, num_stages: int) -> List[int]:
   return [base + (k < extra) for k in range(num_stages)]
 
 
-def BuildModel(config: Dict[str, Any]):
+def BuildModel(config: Dict[str, Any],
+               devices: Optional[Sequence[str]] = None):
   """Instantiates the configuration's model (in a graph or eagerly).
 
   Args:
     config: A configuration dict, see `runner.Config`.
+    devices: The stages' devices (gpipe only); None: in graph mode Lingvo's
+      cluster model split, else the first K logical CPU devices.
 
   Returns:
     A Lingvo layer: builder_layers.SequentialLayer (plain),
@@ -95,8 +98,7 @@ def BuildModel(config: Dict[str, Any]):
         cell_tpl=stages,
         num_micro_batches=config['micro_batches'])
   else:
-    devices = None  # Graph mode: Lingvo's cluster model split.
-    if config.get('mode', 'graph') != 'graph':
+    if devices is None and config.get('mode', 'graph') != 'graph':
       devices = [f'/device:CPU:{k}' for k in range(num_stages)]
     schedule = config.get('schedule', 'gpipe')
     if schedule != 'gpipe':  # The loss inside: its own cell.

@@ -82,7 +82,8 @@ def Config(model: str,
            engine: str = 'auto',
            schedule: str = 'gpipe',
            virtual_stages: int = 1,
-           intra_op_threads: int = 0) -> Dict[str, Any]:
+           intra_op_threads: int = 0,
+           processes: bool = False) -> Dict[str, Any]:
   """A configuration to measure.
 
   Args:
@@ -104,18 +105,27 @@ def Config(model: str,
     intra_op_threads: Threads per TensorFlow op (0: TensorFlow's default).
       1 makes each logical CPU device act as one core, so that stages
       overlap as on K accelerators (docs/benchmarks.md).
+    processes: Stage k in a server process of its own pinned to core k
+      (`loopback`; gpipe in graph mode only), so that each stage has exactly
+      one core: logical devices of one process share both cores, and a
+      stage's independent ops (a backward's two matmuls) run on both. The
+      servers' allocators are not read: no peak memory is reported.
 
   Returns:
     A JSON-ready dict.
 
   Raises:
-    BenchmarkError: on an unknown mode or Lingvo outside graph mode.
+    BenchmarkError: on an unknown mode, Lingvo outside graph mode, or
+      processes outside gpipe in graph mode.
   """
   if mode not in MODES:
     raise BenchmarkError(f'mode={mode!r} is not one of {list(MODES)}.')
   if model == 'lingvo' and mode != 'graph':
     raise BenchmarkError(f"Lingvo's PipeliningLayer runs in graph mode only, "
                          f'not mode={mode!r}.')
+  if processes and (model != 'gpipe' or mode != 'graph'):
+    raise BenchmarkError(f'processes=True runs gpipe in graph mode only, not '
+                         f'model={model!r} in mode={mode!r}.')
   return {
       'model': model,
       'num_layers': num_layers,
@@ -131,6 +141,7 @@ def Config(model: str,
       'schedule': schedule,
       'virtual_stages': virtual_stages,
       'intra_op_threads': intra_op_threads,
+      'processes': processes,
   }
 
 
@@ -145,6 +156,8 @@ def Name(config: Dict[str, Any]) -> str:
   suffix = '' if mode == 'graph' else f' {mode}'
   if config.get('intra_op_threads', 0):
     suffix += f' {config["intra_op_threads"]}-thread ops'
+  if config.get('processes'):
+    suffix += ' a process per stage'
   if model == 'plain':
     return 'plain' + suffix
   shape = f'K={config.get("stages", 1)} M={config["micro_batches"]}'
@@ -234,9 +247,10 @@ class Runner:
     for line in proc.stdout.splitlines():
       if line.startswith(RESULT_PREFIX):
         result = json.loads(line[len(RESULT_PREFIX):])
+        peak = ('not read' if result['peak_mib'] is None else
+                f'{result["peak_mib"]:.1f} MiB')
         self._report(f'  {Name(config)}, {config["num_layers"]} layers: peak '
-                     f'{result["peak_mib"]:.1f} MiB, step '
-                     f'{result["step_s"]:.2f} s')
+                     f'{peak}, step {result["step_s"]:.2f} s')
         return result
     # The worker's own one-line error, else the last line (a traceback's
     # exception), skipping TensorFlow's log lines such as
@@ -266,7 +280,8 @@ def MeasureTable(runner: Runner, configs: List[Dict[str, Any]],
 
   Returns:
     One row per configuration: name, config, every run, and the medians over
-    the repeats of peak_mib, step_s, resident_mib, build_s and warmup_s.
+    the repeats of peak_mib, step_s, resident_mib, build_s and warmup_s
+    (peak_mib and resident_mib None where the runs read none).
   """
   jobs = []
   for r in range(repeats):
@@ -283,7 +298,8 @@ def MeasureTable(runner: Runner, configs: List[Dict[str, Any]],
   for config, config_runs in zip(configs, runs):
     row = {'name': Name(config), 'config': config, 'runs': config_runs}
     for key in ('peak_mib', 'step_s', 'resident_mib', 'build_s', 'warmup_s'):
-      row[key] = statistics.median(run[key] for run in config_runs)
+      values = [run[key] for run in config_runs]
+      row[key] = None if None in values else statistics.median(values)
     row['num_params'] = config_runs[0]['num_params']
     rows.append(row)
   return rows

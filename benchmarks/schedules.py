@@ -15,8 +15,9 @@ with the target it is held to:
   (8 FC 1024 and a loss cell, K = 2, 256 rows per micro-batch), its growth
   from M = 8 to 32, and the step at K = 2, M = 8 with default threads;
 * the zero-bubble schedules against 1F1B: 'zb1p' and 'zbv' steps at K = 2,
-  M = 4 (8 FC 1024 and a loss cell, batch 2048, each device one core), and
-  the peak of 'zb1p' at M = 8.
+  M = 4 (8 FC 1024 and a loss cell, batch 2048), each stage in a process
+  pinned to one core (held to the targets) and on logical devices of one
+  process with one-thread ops (reported), and the peak of 'zb1p' at M = 8.
 
     comparisons = Comparisons()
     measured = runner_lib.MeasureTable(runner, Configs(comparisons), repeats)
@@ -49,11 +50,12 @@ class Comparison(NamedTuple):
 
 def _Gpipe(num_layers, dim, batch, micro, remat, stages, mode='graph',
            engine='auto', schedule='gpipe', virtual_stages=1, threads=0,
-           steps=5):
+           steps=5, processes=False):
   return runner_lib.Config(
       'gpipe', num_layers, dim, batch, steps, micro, remat, stages=stages,
       warmups=2, mode=mode, engine=engine, schedule=schedule,
-      virtual_stages=virtual_stages, intra_op_threads=threads)
+      virtual_stages=virtual_stages, intra_op_threads=threads,
+      processes=processes)
 
 
 def Comparisons(small: bool = False) -> List[Comparison]:
@@ -137,15 +139,24 @@ def Comparisons(small: bool = False) -> List[Comparison]:
       "1F1B 'never' / GPipe 'always' step, K=2 M=8 (default threads)",
       'step_s', Loss(8, 'never', '1f1b'), Loss(8, 'always', 'gpipe'), 0.85))
   # Zero bubble: the weight gradients fill 1F1B's bubble (8 FC and a loss
-  # cell, batch 2048, K = 2, M = 4, each logical device one core).
-  def ZeroBubble(schedule, micro=4, threads=1, steps=5):
-    return _Gpipe(8, big['dim'], big['batch'], micro, 'never', 2,
-                  schedule=schedule, threads=threads, steps=steps,
+  # cell, batch 2048, K = 2, M = 4). Each stage in a process pinned to a
+  # core of its own: on logical devices of one process, a device's
+  # independent ops (a backward's two matmuls, W's four) run on both cores,
+  # and 1F1B's bubble is not idle.
+  def ZeroBubble(schedule, processes):
+    return _Gpipe(8, big['dim'], big['batch'], 4, 'never', 2,
+                  schedule=schedule, threads=1, processes=processes,
                   virtual_stages=2 if schedule == 'zbv' else 1)
   for name, target in (('zb1p', 0.92), ('zbv', 0.88)):
     comparisons.append(Comparison(
-        f"{name} / 1F1B step, K=2 M=4 ('never', one core per device)",
-        'step_s', ZeroBubble(name), ZeroBubble('1f1b'), target))
+        f"{name} / 1F1B step, K=2 M=4 ('never', a pinned process per "
+        'stage)', 'step_s', ZeroBubble(name, True), ZeroBubble('1f1b', True),
+        target))
+  for name in ('zb1p', 'zbv'):
+    comparisons.append(Comparison(
+        f"{name} / 1F1B step, K=2 M=4 ('never', logical devices, "
+        'one-thread ops)', 'step_s', ZeroBubble(name, False),
+        ZeroBubble('1f1b', False), None))
   comparisons.append(Comparison(
       "zb1p / 1F1B peak, K=2 M=8 ('never')", 'peak_mib',
       Loss(8, 'never', 'zb1p'), Loss(8, 'never', '1f1b'), 1.10))

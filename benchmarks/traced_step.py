@@ -2,7 +2,9 @@
 
 `TraceStep` builds GPipeSequentialLayer over Lingvo FC cells with the given
 schedule, K stages on K logical CPU devices (TF1 session, as Lingvo's
-trainer builds it), runs warm-up steps and one step with FULL_TRACE, and
+trainer builds it; with `processes`, stage k in a server process pinned to
+a core of its own, `loopback.PinnedCluster`), runs warm-up steps and one
+step with FULL_TRACE, and
 reads from the kernels' step stats which chunk ran which micro-batch and
 phase (forward, recompute, backward) when (`lingvo_gpipe.engine.trace`).
 A schedule with the loss inside (`schedule.SCHEDULES[name].loss_inside`,
@@ -25,9 +27,11 @@ simulated one.
 TensorFlow and Lingvo are imported when a step is recorded.
 """
 
+import contextlib
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from benchmarks import loopback
 from benchmarks import models
 from lingvo_gpipe.engine import trace
 from lingvo_gpipe.planning import schedule
@@ -38,7 +42,8 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
                cells_per_stage: int, dim: int, micro_batch_size: int,
                warmup_steps: int, engine: str, virtual_stages: int,
                intra_op_threads: int = 0,
-               schedule_name: str = 'gpipe') -> Tuple[Any, schedule.Table]:
+               schedule_name: str = 'gpipe',
+               processes: bool = False) -> Tuple[Any, schedule.Table]:
   """Runs training steps of FC cells as a pipeline; traces the last one.
 
   Args:
@@ -55,12 +60,32 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
     intra_op_threads: Threads per op (0: TensorFlow's default); 1 makes each
       logical CPU device act as one core.
     schedule_name: A key of `schedule.SCHEDULES`.
+    processes: Stage k in a server process of its own pinned to one core
+      (`loopback.PinnedCluster`) instead of on logical CPU device k.
 
   Returns:
     (step_stats, table): the traced step's `RunMetadata.step_stats` and the
     schedule table it ran (the layer's pipeline builds the same
     `schedule.BuildTable` of the schedule, K, M and v).
   """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if intra_op_threads:  # Before the session creates its thread pools.
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(2 * num_stages)
+  servers = loopback.PinnedCluster(num_stages, intra_op_threads) if (
+      processes) else contextlib.nullcontext()
+  with servers:
+    return _RecordStep(servers if processes else None, num_stages, num_micro,
+                       remat, cells_per_stage, dim, micro_batch_size,
+                       warmup_steps, engine, virtual_stages, intra_op_threads,
+                       schedule_name)
+
+
+def _RecordStep(servers, num_stages, num_micro, remat, cells_per_stage, dim,
+                micro_batch_size, warmup_steps, engine, virtual_stages,
+                intra_op_threads, schedule_name):
+  """`RecordStep` on `servers` (a `loopback.LoopbackCluster`), or on logical
+  CPU devices of this process (None)."""
   # pylint: disable=g-import-not-at-top
   from lingvo.core import py_utils
   import numpy as np
@@ -69,11 +94,11 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
   from lingvo_gpipe.engine import control_flow
   # pylint: enable=g-import-not-at-top
   loss_inside = schedule.CheckSchedule(schedule_name).loss_inside
-  if intra_op_threads:  # Before the session creates its thread pools.
-    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
-    tf.config.threading.set_inter_op_parallelism_threads(2 * num_stages)
-  devices = [f'/job:localhost/replica:0/task:0/device:CPU:{k}'
-             for k in range(num_stages)]
+  if servers:
+    devices = [servers.Device(k) for k in range(num_stages)]
+  else:
+    devices = [f'/job:localhost/replica:0/task:0/device:CPU:{k}'
+               for k in range(num_stages)]
   num_chunks = num_stages * virtual_stages
   cells = models.FcCells(num_chunks * cells_per_stage, dim, he_init=False)
   partition = [cells_per_stage] * num_chunks
@@ -105,7 +130,8 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
         device_count={'CPU': num_stages},
         intra_op_parallelism_threads=intra_op_threads,
         inter_op_parallelism_threads=2 * num_stages if intra_op_threads else 0)
-    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+    with tf.compat.v1.Session(servers.target if servers else '', graph=graph,
+                              config=None if servers else config) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       # The loss too, as a trainer fetches it: with the loss inside, the last
       # chunk's forwards compute it only for that fetch.
@@ -158,7 +184,8 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
               warmup_steps: int, engine: str = 'unrolled',
               virtual_stages: int = 1,
               intra_op_threads: int = 0,
-              schedule_name: str = 'gpipe') -> TracedStep:
+              schedule_name: str = 'gpipe',
+              processes: bool = False) -> TracedStep:
   """Records a step (see `RecordStep` for the arguments) and reads it.
 
   Returns:
@@ -170,7 +197,7 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
   step_stats, table = RecordStep(num_stages, num_micro, remat,
                                  cells_per_stage, dim, micro_batch_size,
                                  warmup_steps, engine, virtual_stages,
-                                 intra_op_threads, schedule_name)
+                                 intra_op_threads, schedule_name, processes)
   kernels = trace.StepKernels(step_stats)
   executor = None if engine == 'unrolled' else trace.Executor(kernels)
   events, devices = trace.StepEvents(kernels, table, remat, engine)

@@ -9,6 +9,8 @@ measured steps, each after `reset_memory_stats('CPU:0')`, and prints one line
 
 The peak is `tf.config.experimental.get_memory_info('CPU:0')['peak']`, read
 through `host` (the runner gives the worker an allocator that keeps it).
+With `processes` the stages run in pinned server processes (`loopback`)
+instead of on logical devices, and no peak is read.
 """
 
 import statistics
@@ -18,6 +20,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 from absl import app
 
 from benchmarks import host
+from benchmarks import loopback
 from benchmarks import models
 from benchmarks import runner
 
@@ -34,8 +37,9 @@ def _TimeSteps(run_step: Callable[[], None],
     config: A configuration dict, see `runner.Config`.
 
   Returns:
-    peak_mib, peaks_mib, resident_mib, step_s (median), step_times_s,
-    warmup_s (the first step).
+    peak_mib, peaks_mib, resident_mib (None with `processes`: the servers'
+    allocators are not read), step_s (median), step_times_s, warmup_s (the
+    first step).
 
   Raises:
     host.MemoryStatsError: if the allocator keeps no statistics.
@@ -45,17 +49,20 @@ def _TimeSteps(run_step: Callable[[], None],
   warmup_s = time.time() - start
   for _ in range(config.get('warmups', 1) - 1):
     run_step()
+  memory = not config.get('processes')
   peaks, resident, times = [], [], []
   for _ in range(config['steps']):
-    resident.append(host.ResetMemoryStats())
+    if memory:
+      resident.append(host.ResetMemoryStats())
     start = time.time()
     run_step()
     times.append(time.time() - start)
-    peaks.append(host.PeakBytes())
+    if memory:
+      peaks.append(host.PeakBytes())
   return {
-      'peak_mib': max(peaks) / _MIB,
-      'peaks_mib': [p / _MIB for p in peaks],
-      'resident_mib': max(resident) / _MIB,
+      'peak_mib': max(peaks) / _MIB if memory else None,
+      'peaks_mib': [p / _MIB for p in peaks] if memory else None,
+      'resident_mib': max(resident) / _MIB if memory else None,
       'step_s': statistics.median(times),
       'step_times_s': times,
       'warmup_s': warmup_s,
@@ -69,17 +76,37 @@ def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
   from lingvo.core import py_utils
   import numpy as np
   import tensorflow as tf
+  from lingvo_gpipe.engine import channel
   # pylint: enable=g-import-not-at-top
   num_stages = config['stages']
+  threads = config.get('intra_op_threads', 0)
   start = time.time()
   graph = tf.Graph()
-  # K devices per split: Lingvo's layers place stage k on CPU:k.
-  cluster = cluster_factory.ForTestingWorker(
-      mode='sync', job='trainer_client', cpus=num_stages,
-      split_size=num_stages)
-  with graph.as_default(), cluster:
+  if config.get('processes'):
+    try:  # They exit with this process.
+      servers = loopback.PinnedCluster(num_stages, threads)
+    except ValueError as e:
+      raise runner.BenchmarkError(
+          f'processes=True, stages={num_stages}: {e}') from e
+    devices = [servers.Device(k) for k in range(num_stages)]
+    sess = tf.compat.v1.Session(servers.target, graph=graph)
+    # Stage k on task k; the loops pass tensors between the processes.
+    scope = channel.DeviceIncarnations(sess.list_devices())
+  else:
+    devices = None  # K devices per split: stage k on CPU:k (Lingvo's rule).
+    scope = cluster_factory.ForTestingWorker(
+        mode='sync', job='trainer_client', cpus=num_stages,
+        split_size=num_stages)
+    sess = tf.compat.v1.Session(
+        graph=graph,
+        config=tf.compat.v1.ConfigProto(
+            device_count={'CPU': num_stages},
+            intra_op_parallelism_threads=threads,
+            inter_op_parallelism_threads=max(2, 2 * num_stages) if threads
+            else 0))
+  with graph.as_default(), scope, tf.device(devices[0] if devices else ''):
     global_step = py_utils.GetOrCreateGlobalStepVar()
-    model = models.BuildModel(config)
+    model = models.BuildModel(config, devices)
     x = tf.random.normal([config['batch'], config['dim']], seed=1)
     loss = models.Loss(model.FProp(model.theta, x))
     variables = model.vars.Flatten()
@@ -92,14 +119,6 @@ def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
     init_op = tf.compat.v1.global_variables_initializer()
     num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
   build_s = time.time() - start
-  threads = config.get('intra_op_threads', 0)
-  sess = tf.compat.v1.Session(
-      graph=graph,
-      config=tf.compat.v1.ConfigProto(
-          device_count={'CPU': num_stages},
-          intra_op_parallelism_threads=threads,
-          inter_op_parallelism_threads=max(2, 2 * num_stages) if threads
-          else 0))
   sess.run(init_op)
   return build_s, num_params, lambda: sess.run(train_op)
 

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 # name -> plan.py arguments ({tmp} is replaced by a temporary directory).
+# The cores the tools may run on (--processes pins a stage to each).
+_CORES = len(os.sched_getaffinity(0))
 # Each run imports TensorFlow and Lingvo (seconds), so all start at once.
 RUNS = {
     'costs': [
@@ -64,12 +66,13 @@ RUNS = {
         '--fc_dim=8', '--micro_batch_size=2', '--warmup_steps=1',
         '--json_out={tmp}/tl_circular.json'
     ],
-    # 1F1B: the loss in a last cell, forwards and backwards in one pass.
+    # 1F1B: the loss in a last cell, forwards and backwards in one pass;
+    # each stage in a process of its own, pinned to a core.
     'timeline_1f1b': [
         'timeline', '--num_stages=2', '--num_micro_batches=4',
         '--schedule=1f1b', '--remat=never', '--cells_per_stage=1',
         '--fc_dim=8', '--micro_batch_size=2', '--warmup_steps=1',
-        '--json_out={tmp}/tl_1f1b.json'
+        '--processes', '--json_out={tmp}/tl_1f1b.json'
     ],
     'simulate_no_m': ['simulate', '--forward_costs=1,2'],
     'simulate_mismatch': ['simulate', '--forward_costs=1,2', '--num_stages=3',
@@ -77,6 +80,10 @@ RUNS = {
     'simulate_bad_remat': ['simulate', '--forward_costs=1',
                            '--num_micro_batches=2', '--remat=sometimes'],
     'timeline_no_k': ['timeline', '--num_micro_batches=2'],
+    'timeline_too_many_processes': [
+        'timeline', f'--num_stages={_CORES + 1}', '--num_micro_batches=2',
+        '--processes'
+    ],
     # The planner on registered models: profile, search, verify the best.
     'auto_lm': [
         'auto', '--model=lm.GPipeCharLmTiny', '--num_devices=2',
@@ -172,6 +179,9 @@ def testTransformerExample(runs):
      'chunks (K x --virtual_stages)'),
     ('simulate_bad_remat', '--remat'),
     ('timeline_no_k', '--num_stages (K) is required'),
+    ('timeline_too_many_processes', '--processes pins stage k to a core of '
+     f'its own, and --num_stages={_CORES + 1} is more than the {_CORES} cores '
+     'this process may run on'),
     ('auto_bad_memory', '--memory_per_device=lots: give a positive number of '
      "bytes, optionally with a unit of ['B', 'KiB', 'MiB', 'GiB']"),
     ('auto_no_model', '--model is required'),
@@ -348,6 +358,12 @@ def testTimelineOfTheLoopEngine(runs, name, order):
     assert ran == [tuple(a) for a in table.device_orders[k]]
   assert re.search(r'^simulated from the mean call times \(loop engine, '
                    r'per_device executor\): step', stdout, re.MULTILINE)
+  # Stage k on logical device k, or in server process k.
+  task = numbers['processes']
+  assert task == (name == 'timeline_1f1b')
+  assert numbers['devices'] == {
+      str(k): [f'/job:worker/replica:0/task:{k}/device:CPU:0' if task else
+               _Cpu(k)] for k in range(2)}
 
 
 def _Cpu(k):

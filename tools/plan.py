@@ -243,6 +243,11 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     'top', 20, 'auto: ranked configurations to print (every one is in '
     '--json_out).', lower_bound=1)
+flags.DEFINE_bool(
+    'processes', False, 'timeline: stage k in a server process of its own '
+    'pinned to core k (benchmarks/loopback.py) instead of on logical CPU '
+    'device k, so that each stage has exactly one core (on logical devices '
+    "a stage's independent ops run on every core).")
 flags.DEFINE_integer(
     'intra_op_threads', 1, 'auto, timeline: threads of one TensorFlow op in '
     'the profile and verification workers, or the traced step. 1 makes each '
@@ -606,12 +611,17 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   remat, virtual = FLAGS.remat, FLAGS.virtual_stages
   engine = _Engine(num_stages, num_micro)
   _Table(num_stages, num_micro)  # Checks the sizes before building anything.
+  if FLAGS.processes and len(os.sched_getaffinity(0)) < num_stages:
+    raise PlanError(f'--processes pins stage k to a core of its own, and '
+                    f'--num_stages={num_stages} is more than the '
+                    f'{len(os.sched_getaffinity(0))} cores this process may '
+                    'run on.')
   try:
     traced = traced_step.TraceStep(num_stages, num_micro, remat,
                                    FLAGS.cells_per_stage, FLAGS.fc_dim,
                                    FLAGS.micro_batch_size, FLAGS.warmup_steps,
                                    engine, virtual, FLAGS.intra_op_threads,
-                                   FLAGS.schedule)
+                                   FLAGS.schedule, FLAGS.processes)
   except ValueError as e:
     raise PlanError(str(e)) from e
   events, devices = traced.events, traced.devices
@@ -622,9 +632,11 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   # The loop engine's executor, as the trace shows it ran.
   runs_as = f'{engine} engine' + (f', {traced.executor} executor'
                                   if engine == 'loop' else '')
+  where = ('processes pinned to a core each' if FLAGS.processes else
+           'CPU devices')
   print(f'Traced {FLAGS.schedule} step, {runs_as}'
         f'{" (loops lowered)" if engine == "loop" else ""}: {shape}, '
-        f'{num_stages} CPU devices, {FLAGS.cells_per_stage} FC cells of '
+        f'{num_stages} {where}, {FLAGS.cells_per_stage} FC cells of '
         f'{FLAGS.fc_dim} per chunk, micro-batch size {FLAGS.micro_batch_size}')
   measured_on = host.Describe()
   print(f'Measured on {host.Summary(measured_on)}.')
@@ -665,6 +677,7 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
       'virtual_stages': virtual,
       'num_micro_batches': num_micro,
       'remat': remat,
+      'processes': FLAGS.processes,
       'step_time': occupancy.step_time,
       'bubble_fraction': occupancy.bubble_fraction,
       'closed_form_bubble_fraction': schedule.BubbleFraction(
