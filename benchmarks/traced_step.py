@@ -29,6 +29,8 @@ TensorFlow and Lingvo are imported when a step is recorded.
 
 import contextlib
 import dataclasses
+import statistics
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import loopback
@@ -43,7 +45,8 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
                warmup_steps: int, engine: str, virtual_stages: int,
                intra_op_threads: int = 0,
                schedule_name: str = 'gpipe',
-               processes: bool = False) -> Tuple[Any, schedule.Table]:
+               processes: bool = False
+              ) -> Tuple[Any, schedule.Table, float]:
   """Runs training steps of FC cells as a pipeline; traces the last one.
 
   Args:
@@ -64,9 +67,12 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
       (`loopback.PinnedCluster`) instead of on logical CPU device k.
 
   Returns:
-    (step_stats, table): the traced step's `RunMetadata.step_stats` and the
-    schedule table it ran (the layer's pipeline builds the same
-    `schedule.BuildTable` of the schedule, K, M and v).
+    (step_stats, table, transfer_s): the traced step's
+    `RunMetadata.step_stats`, the schedule table it ran (the layer's
+    pipeline builds the same `schedule.BuildTable` of the schedule, K, M and
+    v) and, with `processes`, what passing one micro-batch's activations
+    from a server to the next costs each of them (`TransferSeconds`; 0.0 on
+    logical devices, which share memory).
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if intra_op_threads:  # Before the session creates its thread pools.
@@ -75,10 +81,52 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
   servers = loopback.PinnedCluster(num_stages, intra_op_threads) if (
       processes) else contextlib.nullcontext()
   with servers:
-    return _RecordStep(servers if processes else None, num_stages, num_micro,
-                       remat, cells_per_stage, dim, micro_batch_size,
-                       warmup_steps, engine, virtual_stages, intra_op_threads,
-                       schedule_name)
+    step_stats, table = _RecordStep(
+        servers if processes else None, num_stages, num_micro, remat,
+        cells_per_stage, dim, micro_batch_size, warmup_steps, engine,
+        virtual_stages, intra_op_threads, schedule_name)
+    transfer_s = TransferSeconds(
+        servers, [micro_batch_size, dim]) if processes else 0.0
+  return step_stats, table, transfer_s
+
+
+def TransferSeconds(servers: loopback.LoopbackCluster, shape: Sequence[int],
+                    repeats: int = 21) -> float:
+  """What passing a float32 tensor from task 0 to task 1 costs each task.
+
+  Times (medians of `repeats`, interleaved) a tensor drawn on task 0 and
+  summed on task 1 against the same on task 0 alone; the difference is the
+  transfer, from the sender's first byte to the receiver's last, and each
+  task does about half of it (serializing, parsing), the share
+  `simulate.Simulate(transfers_busy=True)` charges each.
+
+  Args:
+    servers: At least two tasks.
+    shape: The tensor's shape.
+    repeats: Runs of each.
+
+  Returns:
+    Seconds (at least 0).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  graph = tf.Graph()
+  with graph.as_default():
+    with tf.device(servers.Device(0)):
+      x = tf.random.uniform(shape)
+      here = tf.reduce_sum(x)
+    with tf.device(servers.Device(1)):
+      there = tf.reduce_sum(x)
+  times = {here: [], there: []}
+  with tf.compat.v1.Session(servers.target, graph=graph) as sess:
+    for fetch in (here, there):  # Warm-up.
+      sess.run(fetch)
+    for _ in range(repeats):
+      for fetch in (here, there):
+        start = time.perf_counter()
+        sess.run(fetch)
+        times[fetch].append(time.perf_counter() - start)
+  return max(statistics.median(times[there]) -
+             statistics.median(times[here]), 0.0) / 2
 
 
 def _RecordStep(servers, num_stages, num_micro, remat, cells_per_stage, dim,
@@ -161,6 +209,9 @@ class TracedStep:
     table: The schedule table the step ran.
     executor: The loop engine's executor that ran the step, read from the
       trace ('lockstep' or 'per_device'); None for the unrolled engine.
+    transfer_s: What a transfer of one micro-batch's activations between
+      stages costs each side (`TransferSeconds`; 0.0 on logical devices),
+      which the simulation charges both devices.
   """
   events: List[simulate.Event]
   devices: Dict[int, List[str]]
@@ -169,6 +220,7 @@ class TracedStep:
   simulated: simulate.Simulation
   table: schedule.Table
   executor: Optional[str] = None
+  transfer_s: float = 0.0
 
 
 def _MeanDuration(events: Sequence[simulate.Event], chunk: int,
@@ -194,10 +246,10 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
   Raises:
     ValueError: if the trace cannot be mapped to the pipeline's calls.
   """
-  step_stats, table = RecordStep(num_stages, num_micro, remat,
-                                 cells_per_stage, dim, micro_batch_size,
-                                 warmup_steps, engine, virtual_stages,
-                                 intra_op_threads, schedule_name, processes)
+  step_stats, table, transfer_s = RecordStep(
+      num_stages, num_micro, remat, cells_per_stage, dim, micro_batch_size,
+      warmup_steps, engine, virtual_stages, intra_op_threads, schedule_name,
+      processes)
   kernels = trace.StepKernels(step_stats)
   executor = None if engine == 'unrolled' else trace.Executor(kernels)
   events, devices = trace.StepEvents(kernels, table, remat, engine)
@@ -209,13 +261,14 @@ def TraceStep(num_stages: int, num_micro: int, remat: str,
   # (measured, it is not just another forward). Lockstep ticks only for the
   # lockstep executor: per-device loops wait only for what they receive.
   # A split backward's B and W are timed apart: backward_costs holds both,
-  # weight_costs the W part.
+  # weight_costs the W part. Between processes a transfer costs both sides.
   simulated = simulate.Simulate(
       table, means['forward'],
       [r + b + w for r, b, w in zip(means['recompute'], means['backward'],
                                     means['weight'])],
       'never', lockstep=executor == 'lockstep',
-      weight_costs=means['weight'] if table.split_backward else None)
+      weight_costs=means['weight'] if table.split_backward else None,
+      transfer_cost=transfer_s, transfers_busy=processes)
   return TracedStep(events, devices,
                     simulate.StageOccupancy(events, num_stages), means,
-                    simulated, table, executor)
+                    simulated, table, executor, transfer_s)

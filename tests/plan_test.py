@@ -40,6 +40,12 @@ RUNS = {
         '--num_micro_batches=2', '--remat=never', '--input_memory=10',
         '--activation_memory=100,300'
     ],
+    # Transfers that occupy both stages (simulate_test's hand-made case).
+    'simulate_busy': [
+        'simulate', '--forward_costs=1', '--backward_costs=2',
+        '--num_stages=2', '--num_micro_batches=2', '--remat=never',
+        '--transfer_cost=0.5', '--transfers_busy'
+    ],
     # A real traced step: 2 stages on 2 CPU devices, 3 micro-batches.
     'timeline': [
         'timeline', '--num_stages=2', '--num_micro_batches=3',
@@ -262,6 +268,15 @@ def testSimulateUnevenStages(runs):
           '(defaults 0 and 1)\n') in stdout
 
 
+def testSimulateBusyTransfers(runs):
+  """Hand-computed in simulate_test.testBusyTransfersOccupyTheSenderAndThe
+  Receiver."""
+  code, stdout, stderr = runs['simulate_busy']
+  assert code == 0, stderr
+  assert 'transfer cost 0.5 (busy on both stages)' in stdout
+  assert 'step time: 12 (forwards end at 4.5)' in stdout
+
+
 def testSimulateCircular(runs):
   """K = 2, v = 2, M = 2: 5 ticks of 0.5 + 1.5 a phase; bubble 1/5."""
   code, stdout, stderr = runs['simulate_circular']
@@ -358,9 +373,13 @@ def testTimelineOfTheLoopEngine(runs, name, order):
     assert ran == [tuple(a) for a in table.device_orders[k]]
   assert re.search(r'^simulated from the mean call times \(loop engine, '
                    r'per_device executor\): step', stdout, re.MULTILINE)
-  # Stage k on logical device k, or in server process k.
+  # Stage k on logical device k, or in server process k, where a transfer
+  # costs both processes time (measured, then simulated so).
   task = numbers['processes']
   assert task == (name == 'timeline_1f1b')
+  assert (numbers['transfer_s'] > 0) == task
+  assert ('a transfer of one micro-batch between the processes costs each '
+          in stdout) == task
   assert numbers['devices'] == {
       str(k): [f'/job:worker/replica:0/task:{k}/device:CPU:0' if task else
                _Cpu(k)] for k in range(2)}

@@ -255,6 +255,27 @@ def testSimulateVShapedPlacementTransfersOnlyBetweenDevices():
   assert lockstep.step_time == 6 * 1 + 6 * 2 + 8 * 0.5
 
 
+def testBusyTransfersOccupyTheSenderAndTheReceiver():
+  """K = 2, M = 2, forward 1, backward 2, transfer 0.5: device 0 sends each
+  forward's outputs for 0.5 before its next call; device 1 receives for 0.5
+  before each of its calls that reads them; the gradients go back alike."""
+  table = schedule.BuildTable('gpipe', 2, 2)
+  sim = simulate.Simulate(table, [1.0, 1.0], [2.0, 2.0], 'never',
+                          transfer_cost=0.5, transfers_busy=True)
+  calls = {(e.chunk, e.micro_batch, e.phase): (e.start, e.end)
+           for e in sim.events}
+  assert [calls[0, m, 'forward'] for m in (0, 1)] == [(0, 1), (1.5, 2.5)]
+  assert [calls[1, m, 'forward'] for m in (0, 1)] == [(2, 3), (3.5, 4.5)]
+  # The last chunk's backwards after the loss (all its forwards), each sent
+  # for 0.5; device 0 receives each for 0.5.
+  assert [calls[1, m, 'backward'] for m in (1, 0)] == [(4.5, 6.5), (7, 9)]
+  assert [calls[0, m, 'backward'] for m in (1, 0)] == [(7.5, 9.5), (10, 12)]
+  assert sim.step_time == 12
+  # Only delaying the receiver, the same transfers cost less.
+  assert simulate.Simulate(table, [1.0, 1.0], [2.0, 2.0], 'never',
+                           transfer_cost=0.5).step_time == 10
+
+
 def testSimulateVShapedMemoryCountsTheChunksOfEachDevice():
   """Device 0 holds the inputs of chunks 0 and 3; device 1 of 1 and 2."""
   table = _VShapedTable(2)

@@ -157,6 +157,11 @@ flags.DEFINE_float(
     'transfer_cost', 0.0, 'simulate: time to pass one micro-batch\'s '
     'activations or gradients from one stage to the next (same unit as the '
     'costs).', lower_bound=0.0)
+flags.DEFINE_bool(
+    'transfers_busy', False, 'simulate: a transfer occupies the sending '
+    'stage for --transfer_cost after its call and the receiving one as long '
+    'before its own (CPU processes serialize and parse what they pass), '
+    'instead of only delaying the receiver.')
 flags.DEFINE_list(
     'input_memory', None, 'simulate: optional size (e.g. bytes) of one '
     'micro-batch input of each chunk, or one value for all. Default 0: peak '
@@ -534,13 +539,15 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
                             FLAGS.transfer_cost, input_memory,
                             activation_memory, lockstep=engine == 'loop',
                             tick_overhead=FLAGS.tick_overhead,
-                            weight_costs=weight)
+                            weight_costs=weight,
+                            transfers_busy=FLAGS.transfers_busy)
   except ValueError as e:
     raise PlanError(str(e)) from e
   shape = (f'K={num_stages}, v={virtual}, M={num_micro}, remat={FLAGS.remat},'
            f' {engine} engine')
   print(f'Simulated {FLAGS.schedule} step: {shape}, transfer cost '
-        f'{FLAGS.transfer_cost:g}')
+        f'{FLAGS.transfer_cost:g}'
+        f'{" (busy on both stages)" if FLAGS.transfers_busy else ""}')
   if weight is not None:
     print('backward split: weight gradients (W) cost '
           f'{",".join(f"{w:g}" for w in weight)} of the backward costs '
@@ -575,6 +582,7 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
       'num_micro_batches': num_micro,
       'remat': FLAGS.remat,
       'transfer_cost': FLAGS.transfer_cost,
+      'transfers_busy': FLAGS.transfers_busy,
       'tick_overhead': FLAGS.tick_overhead,
       'input_memory': input_memory,
       'activation_memory': activation_memory,
@@ -660,6 +668,9 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
   for k in range(num_stages):
     print(f'{k:5d}  {occupancy.utilization[k]:11.3f}  '
           f'{", ".join(d.split("/")[-1] for d in devices[k])}')
+  if FLAGS.processes:
+    print(f'a transfer of one micro-batch between the processes costs each '
+          f'{traced.transfer_s * factor:.4g} {unit} (simulated so)')
   print(f'simulated from the mean call times ({runs_as}): step '
         f'{sim.step_time * factor:.4g} {unit}, bubble fraction '
         f'{sim.bubble_fraction:.3f}; measured / simulated step: '
@@ -678,6 +689,7 @@ def Timeline(args: Sequence[str]) -> Dict[str, Any]:
       'num_micro_batches': num_micro,
       'remat': remat,
       'processes': FLAGS.processes,
+      'transfer_s': traced.transfer_s,
       'step_time': occupancy.step_time,
       'bubble_fraction': occupancy.bubble_fraction,
       'closed_form_bubble_fraction': schedule.BubbleFraction(

@@ -243,6 +243,20 @@ def _Peaks(table: schedule.Table, recomputes: Dict[Tuple[int, int], bool],
   return peaks
 
 
+def _SendsAcross(table: schedule.Table, action: schedule.Action) -> bool:
+  """Whether an action's result goes to another device: a forward's outputs
+  to the next chunk, a backward's input gradients to the previous one."""
+  phase, c, _ = action
+  if phase == schedule.FORWARD:
+    reader = c + 1
+  elif phase == schedule.BACKWARD:
+    reader = c - 1
+  else:
+    return False
+  return (0 <= reader < table.num_chunks and
+          table.Device(reader) != table.Device(c))
+
+
 def Simulate(table: schedule.Table,
              forward_costs: Sequence[float],
              backward_costs: Sequence[float],
@@ -255,7 +269,8 @@ def Simulate(table: schedule.Table,
              gradient_memory: Optional[Sequence[float]] = None,
              backward_memory: Optional[Sequence[float]] = None,
              weight_costs: Optional[Sequence[float]] = None,
-             weight_memory: Optional[Sequence[float]] = None) -> Simulation:
+             weight_memory: Optional[Sequence[float]] = None,
+             transfers_busy: bool = False) -> Simulation:
   """Times one training step of a schedule table from per-chunk costs.
 
   Each device runs its actions in table order, one at a time. Timing, two
@@ -266,7 +281,11 @@ def Simulate(table: schedule.Table,
     free and the actions it needs have ended (the previous chunk's forward
     of the micro-batch; the next chunk's backward and its own forward; with
     the loss outside the pipeline, every forward of the last chunk), plus
-    `transfer_cost` for what comes from another device;
+    `transfer_cost` for what comes from another device (with
+    `transfers_busy`, the transfer occupies both devices instead: the
+    sender for `transfer_cost` after its action, then the receiver for as
+    long before its own, as where a CPU process serializes what it sends
+    and parses what it receives);
   * lockstep (the loop engine's one loop for all devices, inside
     `tf.function`, under XLA or eager): tick t starts when every action of
     tick t - 1 has ended, and lasts as long as its longest action (plus
@@ -330,6 +349,10 @@ def Simulate(table: schedule.Table,
     weight_memory: Optional per-chunk sizes of what a call holds from its
       backward to its weight action in a table that splits the backward
       (default 0 each).
+    transfers_busy: Whether a transfer occupies the sending and the
+      receiving device rather than only delaying the receiver (dataflow
+      timing; a lockstep tick counts it as its own time either way). Calls'
+      events leave the transfers out.
 
   Returns:
     A `Simulation`.
@@ -403,20 +426,24 @@ def Simulate(table: schedule.Table,
         durations.append(('backward', backward[c] - weight[c]))
       delay = (transfer_cost if source is not None and
                table.Device(source.chunk) != k else 0.0)
+      busy = transfers_busy and not lockstep
       if lockstep:
         start = tick_start + tick_overhead
       else:
-        start = max(free[k], end[source] + delay if source else 0.0)
+        start = max(free[k], end[source] + (0.0 if busy else delay)
+                    if source else 0.0)
         if phase == schedule.BACKWARD:
           start = max(start, end[schedule.Action(schedule.FORWARD, c, m)])
           if table.loss_outside:
             start = max(start, loss_ready)
         elif phase == schedule.WEIGHT:
           start = max(start, end[schedule.Action(schedule.BACKWARD, c, m)])
-      time = start + (delay if lockstep else 0.0)
+      time = start + (delay if lockstep or busy else 0.0)
       for name, cost in durations:
         events[k].append(Event(k, c, m, name, time, time + cost))
         time += cost
+      if busy and _SendsAcross(table, action):
+        time += transfer_cost
       end[action] = free[k] = time
       tick_end = max(tick_end, time)
       if phase == schedule.FORWARD and c == last_chunk:
