@@ -64,9 +64,11 @@ RUNS = {
     'bad_speed_micro_batches': ['speed', '--batch=64',
                                 '--speed_micro_batches=1,3'],
     'bad_speed_stages': ['speed', '--num_layers=2', '--speed_stages=1,4'],
-    # The two circular comparisons at tiny sizes: 4 configurations, 1 round.
+    # The zb1p step against 1F1B's at tiny sizes, each stage in a pinned
+    # server process: 2 configurations, 1 round.
     'schedules': ['schedules', '--schedules_small',
-                  '--schedules_match=circular', '--repeats=1', '--parallel=2',
+                  "--schedules_match=zb1p / 1F1B step, K=2 M=4 ('never', a "
+                  'pinned', '--repeats=1', '--parallel=2',
                   '--json_out={tmp}/schedules.json'],
     'bad_schedules_match': ['schedules', '--schedules_match=K=3 M=5'],
 }
@@ -212,13 +214,21 @@ def testSchedulesMeasuresTheMatchingComparisons(runs):
   assert code == 0, stderr[-2000:]
   with open(os.path.join(runs['tmp'], 'schedules.json')) as f:
     numbers = json.load(f)
-  assert [r['name'] for r in numbers['rows']] == [
-      f'circular v=2 / GPipe step, K=2 M=2 ({engine}, one core per device)'
-      for engine in ('unrolled', 'loop')]
-  assert len(numbers['measured']) == 4 and numbers['repeats'] == 1
-  for row in numbers['rows']:
-    assert row['value'] > 0 and row['reference'] > 0 and row['target'] == 0.92
-  assert "circular v=2 / GPipe step, K=2 M=2 (loop" in stdout
+  name = "zb1p / 1F1B step, K=2 M=4 ('never', a pinned process per stage)"
+  assert [r['name'] for r in numbers['rows']] == [name]
+  assert numbers['repeats'] == 1
+  (row,) = numbers['rows']
+  assert row['value'] > 0 and row['reference'] > 0 and row['target'] == 0.92
+  assert name in stdout
+  # Each stage in a server of its own: the servers' allocators are not read.
+  assert [m['name'] for m in numbers['measured']] == [
+      f'gpipe {s} K=2 M=4 never 1-thread ops a process per stage'
+      for s in ('zb1p', '1f1b')]
+  for measured in numbers['measured']:
+    assert measured['config']['processes']
+    assert measured['peak_mib'] is None and measured['step_s'] > 0
+  assert ('gpipe zb1p K=2 M=4 never 1-thread ops a process per stage, 8 '
+          'layers: peak not read, step') in stderr  # The progress lines.
 
 
 @pytest.mark.slow

@@ -1,8 +1,6 @@
-"""Servers pinned to cores, and the benchmark step that runs a stage in each.
-
-`benchmarks.loopback` pins each server (all its threads) to one core;
-`benchmarks.worker` with `processes` runs stage k in server k, so that each
-stage has one core of its own (docs/benchmarks.md, zero bubble).
+"""Servers pinned to cores: `benchmarks.loopback`, and the errors of the
+benchmark step that runs a stage in each (`benchmarks.worker` with
+`processes`; benchmark_test.py runs it end to end).
 """
 
 import os
@@ -41,28 +39,14 @@ def testCoresMustNameOnePerTask():
     loopback.LoopbackCluster(2, cores=[0])
 
 
-def _Config(schedule):
-  return runner.Config('gpipe', 4, 8, 16, 2, 4, 'never', stages=2,
-                       schedule=schedule, intra_op_threads=1, processes=True)
-
-
-@pytest.mark.parametrize('schedule', ['1f1b', 'zb1p'])
-def testAStepWithAStageInEachPinnedProcess(schedule):
-  """The step runs, stage k in server k; no peak is read."""
-  config = _Config(schedule)
-  unused_build_s, num_params, run_step = worker._GraphStep(config)
-  assert num_params == 4 * (8 * 8 + 8)
-  result = worker._TimeSteps(run_step, config)
-  assert result['peak_mib'] is None and result['resident_mib'] is None
-  assert len(result['step_times_s']) == 2 and result['step_s'] > 0
-
-
 def testProcessesNeedACorePerStage(monkeypatch):
   monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0})
+  config = runner.Config('gpipe', 4, 8, 16, 2, 4, 'never', stages=2,
+                         schedule='1f1b', intra_op_threads=1, processes=True)
   with pytest.raises(runner.BenchmarkError, match=r'processes=True, stages=2: '
                      r'2 servers pinned to a core each need 2 cores, and '
                      r'this process may run on 1 \(\[0\]\)'):
-    worker._GraphStep(_Config('1f1b'))
+    worker._GraphStep(config)
 
 
 def testProcessesRunGpipeInGraphModeOnly():

@@ -73,13 +73,10 @@ def DeviceIncarnations(devices: Iterable[Any]):
   """Channels built inside name these devices' incarnations in their keys.
 
   Needed where a step's devices are in several processes, e.g. K stages on
-  the K tasks of a cluster:
-
-      with tf.compat.v1.Session(target, graph=graph) as session:
-        with graph.as_default(), DeviceIncarnations(session.list_devices()):
-          ...  # Build the step.
-
-  A context variable: scoped to the `with` block and its thread.
+  the K tasks of a cluster: open the session on the cluster first, then
+  build the step inside `DeviceIncarnations(session.list_devices())`
+  (docs/scaling_out.md). A context variable: scoped to the `with` block and
+  its thread.
 
   Args:
     devices: Devices with a `name` and an `incarnation`, as
