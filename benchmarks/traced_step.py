@@ -78,15 +78,14 @@ def RecordStep(num_stages: int, num_micro: int, remat: str,
   if intra_op_threads:  # Before the session creates its thread pools.
     tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(2 * num_stages)
-  servers = loopback.PinnedCluster(num_stages, intra_op_threads) if (
-      processes) else contextlib.nullcontext()
-  with servers:
+  with (loopback.PinnedCluster(num_stages, intra_op_threads) if processes
+        else contextlib.nullcontext()) as servers:
     step_stats, table = _RecordStep(
-        servers if processes else None, num_stages, num_micro, remat,
-        cells_per_stage, dim, micro_batch_size, warmup_steps, engine,
-        virtual_stages, intra_op_threads, schedule_name)
+        servers, num_stages, num_micro, remat, cells_per_stage, dim,
+        micro_batch_size, warmup_steps, engine, virtual_stages,
+        intra_op_threads, schedule_name)
     transfer_s = TransferSeconds(
-        servers, [micro_batch_size, dim]) if processes else 0.0
+        servers, [micro_batch_size, dim]) if servers else 0.0
   return step_stats, table, transfer_s
 
 
@@ -174,12 +173,17 @@ def _RecordStep(servers, num_stages, num_micro, remat, cells_per_stage, dim,
     train_op = optimizer.apply_gradients(zip(grads, variables))
     table = schedule.BuildTable(layer.params.schedule, num_stages, num_micro,
                                 virtual_stages)
-    config = tf.compat.v1.ConfigProto(
-        device_count={'CPU': num_stages},
-        intra_op_parallelism_threads=intra_op_threads,
-        inter_op_parallelism_threads=2 * num_stages if intra_op_threads else 0)
-    with tf.compat.v1.Session(servers.target if servers else '', graph=graph,
-                              config=None if servers else config) as sess:
+    if servers:
+      session = tf.compat.v1.Session(servers.target, graph=graph)
+    else:
+      session = tf.compat.v1.Session(
+          graph=graph,
+          config=tf.compat.v1.ConfigProto(
+              device_count={'CPU': num_stages},
+              intra_op_parallelism_threads=intra_op_threads,
+              inter_op_parallelism_threads=2 * num_stages if intra_op_threads
+              else 0))
+    with session as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       # The loss too, as a trainer fetches it: with the loss inside, the last
       # chunk's forwards compute it only for that fetch.

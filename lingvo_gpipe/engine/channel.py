@@ -41,7 +41,8 @@ import tensorflow as tf
 # Keys must be unique in a step even across functions that TensorFlow inlines
 # into one graph; a process-wide counter makes them so.
 _IDS = itertools.count()
-# Full device name -> incarnation, for channels built now (`DeviceIncarnations`).
+# Full device name -> incarnation, for the channels built now
+# (`DeviceIncarnations`).
 _INCARNATIONS = contextvars.ContextVar('lingvo_gpipe_device_incarnations',
                                        default={})
 

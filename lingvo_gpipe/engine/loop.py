@@ -91,7 +91,8 @@ def _PerDeviceBlocker(step: lowering.Step,
   names = [channel.FullDeviceName(d) for d in devices]
   if None in names or len(set(names)) < len(names):
     return f'its devices {list(devices)} are not K distinct named devices'
-  unknown = [n for n in names if n not in channel.Incarnations()]
+  known = channel.Incarnations()
+  unknown = [n for n in names if n not in known]
   if (_Channels(control_flow.Lowered()) and unknown and
       len({channel.Task(n) for n in names}) > 1):
     return (f'its devices are in several processes, and the incarnations of '

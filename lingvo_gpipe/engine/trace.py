@@ -131,8 +131,9 @@ def StepKernels(step_stats: Any) -> List[Kernel]:
 
   Kernels without inputs (constants, variable handles, arguments), asserts,
   transfers (Send/Recv, queue ops) and the partitioner's transfer and
-  control nodes (`.../_<n>`, `_cloop...`) are left out: they run whenever the executor
-  gets to them, or wait for another device, not when their call runs.
+  control nodes (`.../_<n>`, `_cloop...`) are left out: they run whenever
+  the executor gets to them, or wait for another device, not when their
+  call runs.
 
   Args:
     step_stats: A `tf.compat.v1.RunMetadata().step_stats`.
