@@ -108,16 +108,13 @@ def _TwoLayerSplit():
 
 
 def _Executed(function):
-  """The op types a pruned function runs: those its outputs need."""
-  graph = function.graph
-  ops, stack = set(), [t.op for t in graph.outputs]
-  while stack:
-    op = stack.pop()
-    if op not in ops:
-      ops.add(op)
-      stack += [t.op for t in op.inputs] + list(op.control_inputs)
-  return sorted(op.type for op in ops if op.type not in ('Placeholder',
-                                                          'Identity', 'Const'))
+  """The op types a part runs: those of the function its call runs."""
+  (call,) = [op for op in function.graph.get_operations()
+             if op.type in ('PartitionedCall', 'StatefulPartitionedCall')]
+  library = {f.signature.name: f
+             for f in function.graph.as_graph_def().library.function}
+  return sorted(node.op for node in library[call.get_attr('f').name].node_def
+                if node.op not in ('Placeholder', 'Identity', 'Const'))
 
 
 def testSplitGivesTensorFlowsGradients():
@@ -154,6 +151,18 @@ def testWeightGradientsDoNotRedoTheInputGradients():
   # What crosses from B to W: each layer's input and its dz, no constants.
   assert [s.shape.as_list() for s in split.weight_stash_specs] == (
       [[MICRO_BATCH_SIZE, DIM]] * 4)
+
+
+def testPartsAreNeverInlined():
+  """Each part runs as a call of its own: inlined into the loop's branch
+  function, a weight gradient's matmuls missed oneDNN's rewrite (which a
+  call's instantiation applies) and ran as TensorFlow's Eigen kernels."""
+  split, _, _, _ = _TwoLayerSplit()
+  # pylint: disable=protected-access
+  parts = (split._forward, split._input_keeping, split._input_recomputing,
+           split._weight)
+  # pylint: enable=protected-access
+  assert [p.function_def.attr['_noinline'].b for p in parts] == [True] * 4
 
 
 def testSplitOfAnEmbeddingGivesItsSparseGradient():
