@@ -326,8 +326,8 @@ def _ZeroBubbleGraph(devices, executor):
 
 @pytest.mark.slow
 def testPerDeviceLoopsAcrossProcessesNeedTheIncarnations(servers):
-  """Functional per-device loops on two tasks pass tensors over Send/Recv,
-  whose keys must name the sending device's incarnation: with
+  """Functional per-device loops on two tasks pass tensors over Send/Recv
+  (relayed), whose keys must name the sending device's incarnation: with
   `channel.DeviceIncarnations` they run and equal one process; without,
   'per_device' says why and 'auto' runs lockstep loops."""
   devices = [servers.Device(0), servers.Device(1)]
@@ -338,8 +338,14 @@ def testPerDeviceLoopsAcrossProcessesNeedTheIncarnations(servers):
     incarnations = probe.list_devices()
   with channel.DeviceIncarnations(incarnations):
     graph, fetches = _ZeroBubbleGraph(devices, 'per_device')
+  # Each direction of the edge between the tasks is relayed: a loop on the
+  # receiving task receives ahead into a queue there.
+  relays = [op for op in graph.get_operations() if op.type == 'FIFOQueueV2']
+  assert sorted((op.name.rsplit('/', 1)[-1], op.device) for op in relays) == [
+      ('edge1_data_relay', devices[1]), ('edge1_grad_relay', devices[0])]
   with _ClusterSession(servers, graph) as sess:
-    engine_util.AssertTransparent(sess.run(fetches), expected)
+    for _ in range(2):  # The queues are empty again after each step.
+      engine_util.AssertTransparent(sess.run(fetches), expected)
   with pytest.raises(ValueError, match=r"executor='per_device' cannot run "
                      r'this step: its devices are in several processes, and '
                      r'the incarnations of .*task:0/device:CPU:0'):

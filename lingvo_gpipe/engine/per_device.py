@@ -90,6 +90,7 @@ def Run(interp: interpreter_lib.Interpreter, links: transport_lib.Links,
       control_flow.KeepUnlowered(results[0], control_flow.LOOP_OPS, lowered)
     finals.append((k, carried, results[1]))
     dones.append(results[0])
+  dones += links.RelayLoops(interp, ticks, name)
   # A loop's results wait for every loop: nothing else joins the loops in the
   # graph, and a fetch that needs one loop must run those it receives from,
   # or its receive would wait forever.

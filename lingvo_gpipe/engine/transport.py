@@ -14,19 +14,23 @@ backward's input gradients. Two transports:
   the producing device to the receiving one, which delivers in send order:
   a channel (`channel.Channel`, TensorFlow's own Send/Recv, for functional
   loops) or a FIFO queue on the receiving device (for lowered loops, whose
-  Send/Recv keys carry their loop frame). A forward's received inputs are
-  also written to the 'data' buffer its backward reads.
+  Send/Recv keys carry their loop frame). A channel between processes is
+  relayed (`_Relay`): a loop of its own receives each tensor as soon as it
+  is sent. A forward's received inputs are also written to the 'data'
+  buffer its backward reads.
 
 The input edge's gradients and the output edges' tensors stay in buffers on
 their device, whichever transport.
 """
 
+import collections
 from typing import Any, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 
 from lingvo_gpipe.engine import channel
 from lingvo_gpipe.engine import chunks as chunks_lib
+from lingvo_gpipe.engine import control_flow
 from lingvo_gpipe.planning import lowering
 
 F, B = lowering.F, lowering.B
@@ -143,6 +147,44 @@ class _Queue:
     return t
 
 
+class _Relay:
+  """A channel between processes whose tensors a loop receives ahead.
+
+  A Recv pulls its tensor from the sending process over RPC when it runs: in
+  a device's loop, only once the instruction that reads it starts, so the
+  transfer adds to that instruction's time even where the tensor was sent
+  long before (relayed, zbv's step at K = 2, M = 4 on pinned processes is
+  about 6% shorter: docs/benchmarks.md). The relay's own loop (`Loop`)
+  receives each tensor as soon as it is sent and queues it on the receiving
+  device, where the instruction dequeues it.
+  """
+
+  def __init__(self, spec: tf.TensorSpec, send_device: str,
+               recv_device: str, name: str):
+    self._channel = channel.Channel(spec, send_device, recv_device, name)
+    self._queue = _Queue(spec, send_device, recv_device, f'{name}_relay')
+    self.recv_device = recv_device
+
+  def Send(self, t: tf.Tensor) -> tf.Operation:
+    return self._channel.Send(t)
+
+  def Recv(self) -> tf.Tensor:
+    return self._queue.Recv()
+
+  def Loop(self, count: int, name: str) -> tf.Tensor:
+    """Receives `count` tensors into the queue; returns the loop's end."""
+    with tf.device(self.recv_device):
+
+      def Body(i):
+        with tf.control_dependencies([self._queue.Send(self._channel.Recv())]):
+          return i + 1
+
+      (done,) = tf.while_loop(lambda i: i < count, Body, [tf.constant(0)],
+                              parallel_iterations=1, name=name)
+      control_flow.KeepUnlowered(done, control_flow.LOOP_OPS, lowered=False)
+    return done
+
+
 class Links:
   """Edges' tensors over links between devices (per-device executor).
 
@@ -161,19 +203,68 @@ class Links:
       queues: Whether the links are queues (lowered loops) or channels.
     """
     self.training = interp.step.training
-    link = _Queue if queues else channel.Channel
     table = interp.step.table
     self._links = {}
+
+    def Link(spec, send_device, recv_device, name):
+      if queues:
+        return _Queue(spec, send_device, recv_device, name)
+      if channel.Task(send_device) != channel.Task(recv_device):
+        return _Relay(spec, send_device, recv_device, name)
+      return channel.Channel(spec, send_device, recv_device, name)
+
     for e, edge in enumerate(interp.edges):
       if edge.source is None or edge.target is None:
         continue
       writer = devices[table.Device(edge.source)]
       reader = devices[table.Device(edge.target)]
       boundary = interp.boundaries[e]
-      self._links[e, 'data'] = [link(s, writer, reader, f'edge{e}_data')
+      self._links[e, 'data'] = [Link(s, writer, reader, f'edge{e}_data')
                                 for s in boundary.specs]
-      self._links[e, 'grad'] = [link(s, reader, writer, f'edge{e}_grad')
+      self._links[e, 'grad'] = [Link(s, reader, writer, f'edge{e}_grad')
                                 for s in boundary.DifferentiableSpecs()]
+    self._relayed = set()  # The links whose relay loops are built.
+
+  def RelayLoops(self, interp, ticks: Sequence[int],
+                 name: str) -> List[tf.Tensor]:
+    """Builds the relay loops of the links a pass receives on.
+
+    Args:
+      interp: The interpreter.
+      ticks: The pass's ticks.
+      name: The loops' name prefix.
+
+    Returns:
+      The loops' ends, which the step must wait for.
+
+    Raises:
+      ValueError: if a link received on in an earlier pass is received on
+        again: its two relay loops could take each other's tensors.
+    """
+    counts = collections.Counter()
+    ticks = set(ticks)
+    for program in interp.step.programs:
+      for instruction in program:
+        if instruction.tick not in ticks:
+          continue
+        phase, c, _ = instruction.key
+        chunk = interp.chunks[c]
+        if phase == F:
+          counts.update((e, 'data') for e in chunk.in_edges)
+        elif phase == B:
+          counts.update((e, 'grad') for e in chunk.out_edges)
+    ends = []
+    for key, count in sorted(counts.items()):
+      for i, link in enumerate(self._links.get(key, [])):
+        if not isinstance(link, _Relay):
+          continue
+        if (key, i) in self._relayed:
+          raise ValueError(f'Edge {key[0]} {key[1]} is received on in two '
+                           'passes of one step.')
+        self._relayed.add((key, i))
+        ends.append(link.Loop(count,
+                              f'{name}_relay_edge{key[0]}_{key[1]}{i}'))
+    return ends
 
   def HasBuffer(self, kind: str, e: int) -> bool:
     """The output's tensors, the input's gradients and, in training, the
