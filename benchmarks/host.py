@@ -47,8 +47,8 @@ def WorkerEnvironment(
   return env
 
 
-def ResetMemoryStats() -> int:
-  """Resets the CPU allocator's peak; returns the bytes allocated now.
+def _MemoryInfo(reset: bool) -> Dict[str, int]:
+  """`get_memory_info('CPU:0')`, after resetting the peak if `reset`.
 
   Raises:
     MemoryStatsError: if the allocator keeps no statistics, naming the
@@ -56,8 +56,9 @@ def ResetMemoryStats() -> int:
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   try:
-    tf.config.experimental.reset_memory_stats('CPU:0')
-    return tf.config.experimental.get_memory_info('CPU:0')['current']
+    if reset:
+      tf.config.experimental.reset_memory_stats('CPU:0')
+    return tf.config.experimental.get_memory_info('CPU:0')
   except ValueError as e:
     allocator = os.environ.get(ALLOCATOR_VARIABLE)
     onednn = os.environ.get(ONEDNN_VARIABLE)
@@ -69,10 +70,22 @@ def ResetMemoryStats() -> int:
         'the environment sets it to another value.') from e
 
 
+def ResetMemoryStats() -> int:
+  """Resets the CPU allocator's peak; returns the bytes allocated now.
+
+  Raises:
+    MemoryStatsError: if the allocator keeps no statistics.
+  """
+  return _MemoryInfo(reset=True)['current']
+
+
 def PeakBytes() -> int:
-  """The CPU allocator's peak since the last `ResetMemoryStats`."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf.config.experimental.get_memory_info('CPU:0')['peak']
+  """The CPU allocator's peak since the last `ResetMemoryStats`.
+
+  Raises:
+    MemoryStatsError: if the allocator keeps no statistics.
+  """
+  return _MemoryInfo(reset=False)['peak']
 
 
 def CpuModel() -> str:

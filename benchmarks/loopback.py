@@ -13,8 +13,16 @@ its ops run at once:
     python benchmarks/loopback.py 127.0.0.1:5001,127.0.0.1:5002 TASK PARENT \
         [CORE [INTRA [INTER]]]
 
+A line `memory` on its standard input makes it print `memory PEAK CURRENT`:
+the bytes its CPU allocator held at most since the last such line (or since
+it started) and holds now; it then starts a new peak. The server's process
+is its device's memory, as an accelerator's memory is the device's own
+(logical devices of one process share one allocator). The allocator keeps
+these statistics with TF_CPU_ALLOCATOR_USE_BFC=true (`host`); without, the
+answer is `error MESSAGE`.
+
 `LoopbackCluster` starts one such process per task on free ports, kills and
-restarts them, and kills them all when closed:
+restarts them, reads their memory, and kills them all when closed:
 
     with LoopbackCluster(2) as cluster:
       with tf.compat.v1.Session(cluster.target) as sess:
@@ -22,15 +30,25 @@ restarts them, and kills them all when closed:
 """
 
 import os
+import sys
+
+if __name__ == '__main__':  # Run as a script: see tools/__init__.py.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import select
 import socket
 import subprocess
-import sys
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
+
+from benchmarks import host
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 JOB = 'worker'
 READY = 'listening'  # What a server prints once its port is bound.
+MEMORY = 'memory'  # The request for a server's allocator statistics.
 
 
 class ServerExited(RuntimeError):
@@ -114,7 +132,7 @@ class LoopbackCluster:
         [sys.executable, os.path.abspath(__file__), ','.join(self.addresses),
          str(task), str(os.getpid()), str(self._cores[task])] +
         [str(n) for n in self._threads],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True)
 
   def _WaitUntilListening(self, task: int) -> None:
@@ -148,6 +166,34 @@ class LoopbackCluster:
             f'listening on {self.addresses[task]}; run `python {__file__} '
             f"{','.join(self.addresses)} {task} $$` to see why.")
 
+  def MemoryBytes(self, task: int) -> Tuple[int, int]:
+    """The peak and current bytes of `task`'s allocator; starts a new peak.
+
+    Args:
+      task: The task.
+
+    Returns:
+      (the most bytes its CPU allocator held since the previous call, or
+      since it started; the bytes it holds now).
+
+    Raises:
+      RuntimeError: if the server's allocator keeps no statistics, or the
+        server does not answer within the start timeout.
+    """
+    process = self._processes[task]
+    process.stdin.write(MEMORY + '\n')
+    process.stdin.flush()
+    readable, _, _ = select.select([process.stdout], [], [],
+                                   self._start_timeout)
+    answer = process.stdout.readline().strip() if readable else ''
+    words = answer.split()
+    if words[:1] == ['error']:
+      raise RuntimeError(f'server task {task}: {answer[len("error "):]}')
+    if words[:1] != [MEMORY] or len(words) != 3:
+      raise RuntimeError(f'server task {task} answered {answer!r} to '
+                         f'{MEMORY!r}, not "{MEMORY} PEAK CURRENT".')
+    return int(words[1]), int(words[2])
+
   def Pid(self, task: int) -> int:
     """The process id of `task`'s server."""
     return self._processes[task].pid
@@ -158,6 +204,7 @@ class LoopbackCluster:
     if process is not None:
       process.kill()
       process.wait()
+      process.stdin.close()
       process.stdout.close()
       self._processes[task] = None
 
@@ -217,10 +264,28 @@ def main(argv: List[str]) -> None:
       config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=intra,
                                       inter_op_parallelism_threads=inter))
   print(READY, flush=True)
+  requests = sys.stdin
   # Once the parent is gone this process is re-parented: stop serving.
   while os.getppid() == parent:
-    time.sleep(0.5)
+    readable, _, _ = select.select([requests] if requests else [], [], [], 0.5)
+    if not readable:
+      continue
+    line = requests.readline()
+    if not line:  # Nothing more to read (e.g. /dev/null): serve on.
+      requests = None
+    elif line.strip() == MEMORY:
+      print(_MemoryAnswer(), flush=True)
   del server
+
+
+def _MemoryAnswer() -> str:
+  """'memory PEAK CURRENT' of this process's allocator (see the docstring)."""
+  try:
+    peak = host.PeakBytes()
+    current = host.ResetMemoryStats()
+  except host.MemoryStatsError as e:
+    return f'error {" ".join(str(e).split())}'
+  return f'{MEMORY} {peak} {current}'
 
 
 if __name__ == '__main__':

@@ -108,8 +108,9 @@ def Config(model: str,
     processes: Stage k in a server process of its own pinned to core k
       (`loopback`; gpipe in graph mode only), so that each stage has exactly
       one core: logical devices of one process share both cores, and a
-      stage's independent ops (a backward's two matmuls) run on both. The
-      servers' allocators are not read: no peak memory is reported.
+      stage's independent ops (a backward's two matmuls) run on both. Each
+      server has an allocator of its own: the peak is the largest stage's,
+      where on logical devices it is all stages' together.
 
   Returns:
     A JSON-ready dict.
@@ -247,10 +248,9 @@ class Runner:
     for line in proc.stdout.splitlines():
       if line.startswith(RESULT_PREFIX):
         result = json.loads(line[len(RESULT_PREFIX):])
-        peak = ('not read' if result['peak_mib'] is None else
-                f'{result["peak_mib"]:.1f} MiB')
         self._report(f'  {Name(config)}, {config["num_layers"]} layers: peak '
-                     f'{peak}, step {result["step_s"]:.2f} s')
+                     f'{result["peak_mib"]:.1f} MiB, step '
+                     f'{result["step_s"]:.2f} s')
         return result
     # The worker's own one-line error, else the last line (a traceback's
     # exception), skipping TensorFlow's log lines such as
@@ -280,8 +280,7 @@ def MeasureTable(runner: Runner, configs: List[Dict[str, Any]],
 
   Returns:
     One row per configuration: name, config, every run, and the medians over
-    the repeats of peak_mib, step_s, resident_mib, build_s and warmup_s
-    (peak_mib and resident_mib None where the runs read none).
+    the repeats of peak_mib, step_s, resident_mib, build_s and warmup_s.
   """
   jobs = []
   for r in range(repeats):
@@ -298,8 +297,7 @@ def MeasureTable(runner: Runner, configs: List[Dict[str, Any]],
   for config, config_runs in zip(configs, runs):
     row = {'name': Name(config), 'config': config, 'runs': config_runs}
     for key in ('peak_mib', 'step_s', 'resident_mib', 'build_s', 'warmup_s'):
-      values = [run[key] for run in config_runs]
-      row[key] = None if None in values else statistics.median(values)
+      row[key] = statistics.median(run[key] for run in config_runs)
     row['num_params'] = config_runs[0]['num_params']
     rows.append(row)
   return rows

@@ -3,19 +3,21 @@
 CONFIG is the JSON of a `runner.Config`. The worker builds the model's
 training step (forward, gradients, SGD update) on `stages` logical CPU
 devices, runs a timed first step, the other warm-up steps and `steps`
-measured steps, each after `reset_memory_stats('CPU:0')`, and prints one line
+measured steps, each after a reset of the allocator's peak, and prints one line
 `runner.RESULT_PREFIX + JSON` (see `MeasureStep`), or one error line after
 `runner.ERROR_PREFIX` with exit status 2.
 
 The peak is `tf.config.experimental.get_memory_info('CPU:0')['peak']`, read
-through `host` (the runner gives the worker an allocator that keeps it).
-With `processes` the stages run in pinned server processes (`loopback`)
-instead of on logical devices, and no peak is read.
+through `host` (the runner gives the worker an allocator that keeps it); on
+logical devices it is that of all stages together, whose devices share the
+process's allocator. With `processes` the stages run in pinned server
+processes (`loopback`) instead, each with an allocator of its own, as each
+accelerator has its own memory: the peak is the largest of theirs.
 """
 
 import statistics
 import time
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from absl import app
 
@@ -28,18 +30,32 @@ _LEARNING_RATE = 1e-4
 _MIB = 1024.0 * 1024.0
 
 
-def _TimeSteps(run_step: Callable[[], None],
+# Reads each allocator of the step's devices: [(peak bytes since the last
+# read, bytes held now)], and starts a new peak.
+MemoryReader = Callable[[], List[Tuple[int, int]]]
+
+
+def _ProcessMemory() -> List[Tuple[int, int]]:
+  """A `MemoryReader` of this process's allocator (all its logical devices)."""
+  peak = host.PeakBytes()
+  return [(peak, host.ResetMemoryStats())]
+
+
+def _TimeSteps(run_step: Callable[[], None], read_memory: MemoryReader,
                config: Dict[str, Any]) -> Dict[str, Any]:
   """Times `warmups` warm-up steps (the first one reported) and `steps` steps.
 
   Args:
     run_step: Runs one training step to completion.
+    read_memory: Reads the allocators the step runs on.
     config: A configuration dict, see `runner.Config`.
 
   Returns:
-    peak_mib, peaks_mib, resident_mib (None with `processes`: the servers'
-    allocators are not read), step_s (median), step_times_s, warmup_s (the
-    first step).
+    peak_mib (the largest allocator's peak in the step where it is largest),
+    peaks_mib (per step), device_peaks_mib (per step, per allocator: one for
+    logical devices, one per server with `processes`), resident_mib (held
+    between steps, the largest allocator), step_s (median), step_times_s,
+    warmup_s (the first step).
 
   Raises:
     host.MemoryStatsError: if the allocator keeps no statistics.
@@ -49,27 +65,30 @@ def _TimeSteps(run_step: Callable[[], None],
   warmup_s = time.time() - start
   for _ in range(config.get('warmups', 1) - 1):
     run_step()
-  memory = not config.get('processes')
-  peaks, resident, times = [], [], []
+  resident = [current for _, current in read_memory()]
+  device_peaks, times = [], []
   for _ in range(config['steps']):
-    if memory:
-      resident.append(host.ResetMemoryStats())
     start = time.time()
     run_step()
     times.append(time.time() - start)
-    if memory:
-      peaks.append(host.PeakBytes())
+    memory = read_memory()
+    device_peaks.append([peak / _MIB for peak, _ in memory])
+    resident += [current for _, current in memory]
+  peaks = [max(step) for step in device_peaks]
   return {
-      'peak_mib': max(peaks) / _MIB if memory else None,
-      'peaks_mib': [p / _MIB for p in peaks] if memory else None,
-      'resident_mib': max(resident) / _MIB if memory else None,
+      'peak_mib': max(peaks),
+      'peaks_mib': peaks,
+      'device_peaks_mib': device_peaks,
+      'resident_mib': max(resident) / _MIB,
       'step_s': statistics.median(times),
       'step_times_s': times,
       'warmup_s': warmup_s,
   }
 
 
-def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
+def _GraphStep(
+    config: Dict[str, Any]
+) -> Tuple[float, int, Callable[[], None], MemoryReader]:
   """Builds the TF1 training step on K CPU devices; see `MeasureStep`."""
   # pylint: disable=g-import-not-at-top
   from lingvo.core import cluster_factory
@@ -89,11 +108,13 @@ def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
       raise runner.BenchmarkError(
           f'processes=True, stages={num_stages}: {e}') from e
     devices = [servers.Device(k) for k in range(num_stages)]
+    read_memory = lambda: [servers.MemoryBytes(k) for k in range(num_stages)]
     sess = tf.compat.v1.Session(servers.target, graph=graph)
     # Stage k on task k; the loops pass tensors between the processes.
     scope = channel.DeviceIncarnations(sess.list_devices())
   else:
     devices = None  # K devices per split: stage k on CPU:k (Lingvo's rule).
+    read_memory = _ProcessMemory
     scope = cluster_factory.ForTestingWorker(
         mode='sync', job='trainer_client', cpus=num_stages,
         split_size=num_stages)
@@ -120,7 +141,7 @@ def _GraphStep(config: Dict[str, Any]) -> Tuple[float, int, Callable[[], None]]:
     num_params = int(sum(np.prod(v.shape.as_list()) for v in variables))
   build_s = time.time() - start
   sess.run(init_op)
-  return build_s, num_params, lambda: sess.run(train_op)
+  return build_s, num_params, lambda: sess.run(train_op), read_memory
 
 
 def _FunctionStep(
@@ -166,17 +187,17 @@ def _FunctionStep(
 def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
   """Builds one training step and measures its time and peak memory.
 
-  Runs on `stages` logical CPU devices: the first step (timed), `warmups` - 1
-  more warm-up steps, then `steps` steps, each after
-  `reset_memory_stats('CPU:0')`.
+  Runs on `stages` logical CPU devices (or server processes): the first step
+  (timed), `warmups` - 1 more warm-up steps, then `steps` steps, each after
+  a reset of the allocators' peaks.
 
   Args:
     config: A configuration dict, see `runner.Config`.
 
   Returns:
     A JSON-ready dict: peak_mib (largest of the steps), peaks_mib,
-    resident_mib (in use before the step: weights, optimizer), step_s
-    (median), step_times_s, build_s (model, forward, gradients and update;
+    device_peaks_mib, resident_mib (in use between steps: weights,
+    optimizer), see `_TimeSteps`; step_s (median), step_times_s, build_s (model, forward, gradients and update;
     in modes 'function' and 'xla' the tracing of the tf.function), warmup_s
     (the first step: graph optimization, or XLA's compile), hlo_lines (mode
     'xla': lines of the step's HLO before XLA's optimizations), num_params,
@@ -196,15 +217,15 @@ def MeasureStep(config: Dict[str, Any]) -> Dict[str, Any]:
     tf.config.threading.set_inter_op_parallelism_threads(
         max(2, 2 * config['stages']))
   if config.get('mode', 'graph') == 'graph':
-    build_s, num_params, run_step = _GraphStep(config)
-    result = _TimeSteps(run_step, config)
+    build_s, num_params, run_step, read_memory = _GraphStep(config)
+    result = _TimeSteps(run_step, read_memory, config)
   else:
     # Before anything initializes TensorFlow's devices (Lingvo's imports).
     cpu = tf.config.list_physical_devices('CPU')[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * config['stages'])
     build_s, num_params, run_step = _FunctionStep(config)
-    result = _TimeSteps(run_step, config)
+    result = _TimeSteps(run_step, _ProcessMemory, config)
     if config['mode'] == 'xla':
       hlo = run_step.experimental_get_compiler_ir()(stage='hlo')
       hlo_lines = len(hlo.splitlines())

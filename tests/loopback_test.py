@@ -33,6 +33,39 @@ def testServersArePinnedToTheirCores():
         assert sess.run(two) == 2.0
 
 
+def testServersReadTheirOwnAllocatorsPeak():
+  """A 64 MiB tensor made in task 1 shows in its peak, then a new peak starts.
+
+  The servers run with this process's environment (conftest.py), whose
+  allocator keeps statistics.
+  """
+  mib = 2**20
+  with loopback.LoopbackCluster(2) as cluster:
+    with tf.Graph().as_default():
+      with tf.device(cluster.Device(1)):
+        # 64 MiB of floats, drawn (constants would be folded away).
+        total = tf.reduce_sum(tf.random.uniform([16 * mib]))
+      with tf.compat.v1.Session(cluster.target) as sess:
+        cluster.MemoryBytes(1)
+        assert 0 < sess.run(total) < 16 * mib
+    peak, current = cluster.MemoryBytes(1)
+    assert 64 * mib <= peak < 65 * mib and current < mib
+    assert cluster.MemoryBytes(0)[0] < mib  # Task 0 held no such tensor.
+    assert cluster.MemoryBytes(1)[0] < mib  # A new peak since the last read.
+
+
+def testServersWithoutAllocatorStatisticsSaySo(monkeypatch):
+  monkeypatch.setenv('TF_CPU_ALLOCATOR_USE_BFC', 'false')
+  monkeypatch.setenv('TF_ENABLE_ONEDNN_OPTS', '0')
+  with loopback.LoopbackCluster(1) as cluster:
+    with pytest.raises(RuntimeError, match=r'^server task 0: Allocator stats '
+                       r"not available for device 'CPU:0': the CPU allocator "
+                       r'keeps no statistics in this process \('
+                       r'TF_CPU_ALLOCATOR_USE_BFC=false, '
+                       r'TF_ENABLE_ONEDNN_OPTS=0\)\. Memory is measured with'):
+      cluster.MemoryBytes(0)
+
+
 def testCoresMustNameOnePerTask():
   with pytest.raises(ValueError, match=r'cores=\[0\] must name one core for '
                      'each of the 2 tasks'):
