@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import host
 from lingvo_gpipe.planning import schedule
+from lingvo_gpipe.planning import simulate
 import tool_util
 
 # Every test reads the runs of plan.py subprocesses.
@@ -45,6 +46,15 @@ RUNS = {
         'simulate', '--forward_costs=1', '--backward_costs=2',
         '--num_stages=2', '--num_micro_batches=2', '--remat=never',
         '--transfer_cost=0.5', '--transfers_busy'
+    ],
+    # ZB-V's per-device loops (a TF1 graph) with busy transfers, timed as
+    # dataflow.
+    'simulate_zbv_per_device': [
+        'simulate', '--schedule=zbv', '--num_stages=2', '--virtual_stages=2',
+        '--num_micro_batches=4', '--remat=never', '--forward_costs=15',
+        '--backward_costs=23', '--weight_costs=11.5', '--transfer_cost=2',
+        '--transfers_busy', '--executor=per_device',
+        '--json_out={tmp}/zbv.json'
     ],
     # A real traced step: 2 stages on 2 CPU devices, 3 micro-batches.
     'timeline': [
@@ -85,6 +95,20 @@ RUNS = {
                           '--num_micro_batches=2'],
     'simulate_bad_remat': ['simulate', '--forward_costs=1',
                            '--num_micro_batches=2', '--remat=sometimes'],
+    'simulate_executor_unrolled': [
+        'simulate', '--forward_costs=1', '--num_stages=2',
+        '--num_micro_batches=2', '--executor=per_device'],
+    'simulate_tick_dataflow': [
+        'simulate', '--forward_costs=1', '--num_stages=2',
+        '--num_micro_batches=2', '--engine=loop', '--executor=per_device',
+        '--tick_overhead=0.5'],
+    'simulate_busy_lockstep': [
+        'simulate', '--forward_costs=1', '--num_stages=2',
+        '--num_micro_batches=8', '--schedule=1f1b', '--remat=never',
+        '--transfer_cost=0.5', '--transfers_busy'],
+    'simulate_weight_unsplit': [
+        'simulate', '--forward_costs=1', '--num_stages=2',
+        '--num_micro_batches=2', '--weight_costs=1'],
     'timeline_no_k': ['timeline', '--num_micro_batches=2'],
     'timeline_too_many_processes': [
         'timeline', f'--num_stages={_CORES + 1}', '--num_micro_batches=2',
@@ -184,6 +208,18 @@ def testTransformerExample(runs):
     ('simulate_mismatch', '--forward_costs has 2 entries but there are 3 '
      'chunks (K x --virtual_stages)'),
     ('simulate_bad_remat', '--remat'),
+    ('simulate_executor_unrolled', '--executor=per_device says how the loop '
+     'engine runs its loops; the unrolled engine runs none (its calls are '
+     'timed as dataflow). Drop it or use --engine=loop.'),
+    ('simulate_tick_dataflow', '--tick_overhead=0.5 is the cost of a lockstep '
+     'tick; the step is timed as dataflow here (the loop engine, '
+     '--executor=per_device). Drop it or use --engine=loop '
+     '--executor=lockstep.'),
+    ('simulate_busy_lockstep', '--transfers_busy times transfers as dataflow; '
+     'a lockstep tick counts a transfer in its own time. Add '
+     '--executor=per_device or drop it.'),
+    ('simulate_weight_unsplit', "--weight_costs: schedule 'gpipe' does not "
+     "split the backward; only 'zb1p' and 'zbv' run weight gradients apart."),
     ('timeline_no_k', '--num_stages (K) is required'),
     ('timeline_too_many_processes', '--processes pins stage k to a core of '
      f'its own, and --num_stages={_CORES + 1} is more than the {_CORES} cores '
@@ -275,6 +311,27 @@ def testSimulateBusyTransfers(runs):
   assert code == 0, stderr
   assert 'transfer cost 0.5 (busy on both stages)' in stdout
   assert 'step time: 12 (forwards end at 4.5)' in stdout
+
+
+def testSimulatePerDeviceLoopsAsDataflow(runs):
+  """--executor=per_device times the loop engine's table as dataflow."""
+  code, stdout, stderr = runs['simulate_zbv_per_device']
+  assert code == 0, stderr
+  assert stdout.startswith(
+      'Simulated zbv step: K=2, v=2, M=4, remat=never, loop engine '
+      '(per_device loops), transfer cost 2 (busy on both stages)\n')
+  expected = simulate.Simulate(
+      schedule.BuildTable('zbv', 2, 4, 2), [15] * 4, [23] * 4, 'never', 2.0,
+      lockstep=False, weight_costs=[11.5] * 4, transfers_busy=True)
+  lockstep = simulate.Simulate(
+      schedule.BuildTable('zbv', 2, 4, 2), [15] * 4, [23] * 4, 'never', 2.0,
+      lockstep=True, weight_costs=[11.5] * 4)
+  assert expected.step_time != lockstep.step_time
+  assert f'step time: {expected.step_time:.6g} (' in stdout
+  with open(os.path.join(runs['tmp'], 'zbv.json')) as f:
+    numbers = json.load(f)
+  assert (numbers['engine'], numbers['executor']) == ('loop', 'per_device')
+  assert numbers['step_time'] == pytest.approx(expected.step_time)
 
 
 def testSimulateCircular(runs):

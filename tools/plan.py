@@ -146,9 +146,17 @@ flags.DEFINE_enum(
     "can) or 'loop' (ticks in lockstep: a tick ends when its slowest call "
     "ends). timeline: the engine that builds the traced step. 'auto': the "
     "one GPipeSequentialLayer's engine='auto' picks for K, M and --remat.")
+flags.DEFINE_enum(
+    'executor', 'lockstep', ['lockstep', 'per_device'], 'simulate with the '
+    "loop engine: how its loops run. 'lockstep': one loop for all devices, as "
+    'inside tf.function and under XLA (a tick ends when its slowest call '
+    "ends, plus --tick_overhead); 'per_device': a loop per device, as in a "
+    "TF1 graph such as Lingvo's trainer (dataflow: a call starts once its "
+    'inputs and its device are ready).')
 flags.DEFINE_float(
-    'tick_overhead', 0.0, 'simulate with --engine=loop: the cost of one tick '
-    'beyond its work (same unit as the costs).', lower_bound=0.0)
+    'tick_overhead', 0.0, 'simulate with --engine=loop --executor=lockstep: '
+    'the cost of one tick beyond its work (same unit as the costs).',
+    lower_bound=0.0)
 flags.DEFINE_enum(
     'remat', 'always', schedule.REMAT_MODES, 'simulate, timeline: which calls '
     "recompute their forward pass in the backward pass: 'always', "
@@ -158,7 +166,8 @@ flags.DEFINE_float(
     'activations or gradients from one stage to the next (same unit as the '
     'costs).', lower_bound=0.0)
 flags.DEFINE_bool(
-    'transfers_busy', False, 'simulate: a transfer occupies the sending '
+    'transfers_busy', False, 'simulate, timed as dataflow (the unrolled '
+    'engine, or --executor=per_device): a transfer occupies the sending '
     'stage for --transfer_cost after its call and the receiving one as long '
     'before its own (CPU processes serialize and parse what they pass), '
     'instead of only delaying the receiver.')
@@ -476,6 +485,37 @@ def _Engine(num_stages: int, num_micro: int) -> str:
     raise PlanError(str(e)) from e
 
 
+def _Lockstep(engine: str) -> bool:
+  """Whether `simulate` times ticks in lockstep (--executor), checked.
+
+  Args:
+    engine: The resolved engine.
+
+  Returns:
+    True for the loop engine with --executor=lockstep.
+
+  Raises:
+    PlanError: on --executor with the unrolled engine, --tick_overhead
+      without lockstep ticks or --transfers_busy with them.
+  """
+  if engine == 'unrolled' and FLAGS['executor'].present:
+    raise PlanError(f'--executor={FLAGS.executor} says how the loop engine '
+                    'runs its loops; the unrolled engine runs none (its calls '
+                    'are timed as dataflow). Drop it or use --engine=loop.')
+  lockstep = engine == 'loop' and FLAGS.executor == 'lockstep'
+  if FLAGS.tick_overhead and not lockstep:
+    raise PlanError(f'--tick_overhead={FLAGS.tick_overhead:g} is the cost of '
+                    'a lockstep tick; the step is timed as dataflow here '
+                    f'(the {engine} engine'
+                    f'{", --executor=per_device" if engine == "loop" else ""}'
+                    '). Drop it or use --engine=loop --executor=lockstep.')
+  if FLAGS.transfers_busy and lockstep:
+    raise PlanError('--transfers_busy times transfers as dataflow; a lockstep '
+                    'tick counts a transfer in its own time. Add '
+                    '--executor=per_device or drop it.')
+  return lockstep
+
+
 def _Table(num_stages: int, num_micro: int) -> schedule.Table:
   """The --schedule table for K, M and --virtual_stages."""
   try:
@@ -530,21 +570,27 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
   num_micro = _NumMicroBatches()
   table = _Table(num_stages, num_micro)
   engine = _Engine(num_stages, num_micro)
+  lockstep = _Lockstep(engine)
   weight = None
   if table.split_backward:
     weight = (_PerChunk('weight_costs', FLAGS.weight_costs, num_chunks) or
               [b / 2 for b in backward])
+  elif FLAGS.weight_costs is not None:
+    raise PlanError(f'--weight_costs: schedule {FLAGS.schedule!r} does not '
+                    "split the backward; only 'zb1p' and 'zbv' run weight "
+                    'gradients apart.')
   try:
     sim = simulate.Simulate(table, forward, backward, FLAGS.remat,
                             FLAGS.transfer_cost, input_memory,
-                            activation_memory, lockstep=engine == 'loop',
+                            activation_memory, lockstep=lockstep,
                             tick_overhead=FLAGS.tick_overhead,
                             weight_costs=weight,
                             transfers_busy=FLAGS.transfers_busy)
   except ValueError as e:
     raise PlanError(str(e)) from e
   shape = (f'K={num_stages}, v={virtual}, M={num_micro}, remat={FLAGS.remat},'
-           f' {engine} engine')
+           f' {engine} engine'
+           f'{f" ({FLAGS.executor} loops)" if engine == "loop" else ""}')
   print(f'Simulated {FLAGS.schedule} step: {shape}, transfer cost '
         f'{FLAGS.transfer_cost:g}'
         f'{" (busy on both stages)" if FLAGS.transfers_busy else ""}')
@@ -576,6 +622,7 @@ def Simulate(args: Sequence[str]) -> Dict[str, Any]:
       'num_stages': num_stages,
       'virtual_stages': virtual,
       'engine': engine,
+      'executor': FLAGS.executor if engine == 'loop' else None,
       'forward_costs': forward,
       'backward_costs': backward,
       'weight_costs': weight,
