@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 # name -> plan.py arguments ({tmp} is replaced by a temporary directory).
 # The cores the tools may run on (--processes pins a stage to each).
 _CORES = len(os.sched_getaffinity(0))
-# Each run imports TensorFlow and Lingvo (seconds), so all start at once.
+# Each run imports TensorFlow and Lingvo (seconds): they run side by side.
 RUNS = {
     'costs': [
         'partition', '--costs=1,4,4,4,4,8', '--num_stages=3',

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -69,8 +70,10 @@ AFTER = {
     # Lingvo's evaler waits for checkpoints until max_steps is reached.
     'eager_eval': COMMON + ['--logdir={tmp}/eager', '--job=evaler_dev',
                             '--use_eager', '--max_steps=6'],
-    # The graph-mode evaler on the same checkpoint as 'eager_eval'.
-    'graph_eval_of_eager': COMMON + ['--logdir={tmp}/eager',
+    # The graph-mode evaler on the same checkpoint as 'eager_eval', in a
+    # logdir of its own (`runs` copies the checkpoints there): an evaler
+    # skips the checkpoints another evaler of its logdir recorded as done.
+    'graph_eval_of_eager': COMMON + ['--logdir={tmp}/eager_graph_eval',
                                      '--job=evaler_dev', '--max_steps=6'],
     # 'replicas' again: its checkpoint is at max_steps already.
     'again': RUNS['replicas'],
@@ -125,6 +128,7 @@ def runs(tmp_path_factory):
                                         env_changes=ENV_CHANGES)
   watcher.join()
   results['killed_at'] = _Checkpoint(f'{tmp}/killed')
+  shutil.copytree(f'{tmp}/eager/train', f'{tmp}/eager_graph_eval/train')
   results.update(
       tool_util.RunToolInParallel('train.py', AFTER, tmp, timeout=600,
                                   env_changes=ENV_CHANGES))
