@@ -81,9 +81,9 @@ def _InLingvosDefaultCluster():
 
 
 # The files that take longest in `make test`, longest first: their
-# subprocess fixtures (train_test 185 to 205 s of CPU, benchmark_test 115 s,
-# plan_test 85 s on the AMD EPYC host of docs/install.md) and the longest
-# in-process files (1 to 2 min of CPU each), measured 2026-12-07.
+# subprocess fixtures (train_test 175 to 205 s of CPU, benchmark_test 105 to
+# 120 s, plan_test 80 to 90 s on the AMD EPYC host of docs/install.md) and
+# the longest in-process files (1 to 2 min of CPU each), measured 2026-12-07.
 LONGEST_FILES = (
     'train_test.py', 'benchmark_test.py', 'sparse_gradients_test.py',
     'layers_test.py', 'plan_test.py', 'pipeline_test.py', 'docs_test.py',
