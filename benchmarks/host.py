@@ -17,7 +17,7 @@ Standard library only at import; TensorFlow is imported where it is read.
 """
 
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 # TensorFlow reads this variable when it creates the CPU allocator.
 ALLOCATOR_VARIABLE = 'TF_CPU_ALLOCATOR_USE_BFC'
@@ -86,6 +86,16 @@ def PeakBytes() -> int:
     MemoryStatsError: if the allocator keeps no statistics.
   """
   return _MemoryInfo(reset=False)['peak']
+
+
+def TakeMemoryStats() -> Tuple[int, int]:
+  """(the peak since the last reset, the bytes allocated now); resets it.
+
+  Raises:
+    MemoryStatsError: if the allocator keeps no statistics.
+  """
+  peak = PeakBytes()
+  return peak, ResetMemoryStats()
 
 
 def CpuModel() -> str:

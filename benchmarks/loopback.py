@@ -281,8 +281,7 @@ def main(argv: List[str]) -> None:
 def _MemoryAnswer() -> str:
   """'memory PEAK CURRENT' of this process's allocator (see the docstring)."""
   try:
-    peak = host.PeakBytes()
-    current = host.ResetMemoryStats()
+    peak, current = host.TakeMemoryStats()
   except host.MemoryStatsError as e:
     return f'error {" ".join(str(e).split())}'
   return f'{MEMORY} {peak} {current}'

@@ -37,8 +37,7 @@ MemoryReader = Callable[[], List[Tuple[int, int]]]
 
 def _ProcessMemory() -> List[Tuple[int, int]]:
   """A `MemoryReader` of this process's allocator (all its logical devices)."""
-  peak = host.PeakBytes()
-  return [(peak, host.ResetMemoryStats())]
+  return [host.TakeMemoryStats()]
 
 
 def _TimeSteps(run_step: Callable[[], None], read_memory: MemoryReader,

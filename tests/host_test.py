@@ -39,6 +39,9 @@ def testThisProcessMeasuresWhateverOneDnnDoes():
   x = tf.ones([256, 1024])  # 1 MiB.
   assert host.PeakBytes() - before >= 2**20
   del x
+  peak, now = host.TakeMemoryStats()
+  assert peak - before >= 2**20 and now < peak
+  assert host.TakeMemoryStats()[0] < peak  # A new peak since the last take.
 
 
 def testDescribe():
