@@ -58,6 +58,27 @@ def _NoGradient(t):
   return tf.identity(t), Grad
 
 
+def _StopGradients(flat: Sequence[Any]) -> List[Any]:
+  """tf.stop_gradient of each tensor, on the tensor's own device.
+
+  The weights and inputs reach here on their chunk's device (`chunks.Chunk`
+  reads them there); a stop_gradient under the caller's device scope (Lingvo's
+  trainer builds under one) would send every chunk's weights to that device
+  and back at each step.
+
+  Args:
+    flat: Tensors.
+
+  Returns:
+    Their stop_gradients.
+  """
+  stopped = []
+  for t in flat:
+    with tf.device(t.device):
+      stopped.append(tf.stop_gradient(t))
+  return stopped
+
+
 def LossOutside(new_executor, flat, sizes, step, output_edges):
   """Forward loops, and backward loops as their gradient.
 
@@ -78,7 +99,7 @@ def LossOutside(new_executor, flat, sizes, step, output_edges):
     # Only Grad differentiates the loops: tapes must not watch them (a
     # recording tape, as Lingvo's eager trainer keeps one, would build the
     # loops' own gradients, for minutes).
-    flat = [tf.stop_gradient(t) for t in flat]
+    flat = _StopGradients(flat)
     run = new_executor(flat)
     interp = run.interp
     v = run.Run(forward_ticks, run.Initial(Unjoin(flat, sizes)[2]),
@@ -137,7 +158,7 @@ def LossInside(new_executor, flat, sizes, step, output_edges):
 
   @tf.custom_gradient
   def Pipelined(*flat):
-    flat = [tf.stop_gradient(t) for t in flat]
+    flat = _StopGradients(flat)
     run = new_executor(flat)
     interp = run.interp
     num_micro = step.table.num_micro_batches
