@@ -305,6 +305,32 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
       logging.info(placement_log)
     return devices
 
+  def CellDevices(self):
+    """The device of every cell, in order: the stage device of its chunk.
+
+    Chunk c runs on stage `Schedule.placement`[c] (c mod K; 'zbv': the V).
+    A cluster that keeps each stage's weights on its device creates cell
+    i's variables under `tf.device(CellDevices()[i])`.
+
+    Returns:
+      One device string per cell ('' is the default device).
+
+    Raises:
+      ValueError: if the partition is decided at the first FProp ('flops',
+        'profile') and no FProp ran yet.
+    """
+    p = self.params
+    if self.partition is None:
+      raise ValueError(
+          f'{p.name}: partition={p.partition!r} is decided at the first '
+          'FProp; CellDevices() is known after it (or give a partition such '
+          "as 'params' or a list of cells per chunk).")
+    stage_devices = self.StageDevices()
+    chunk_stages = schedule.CheckSchedule(p.schedule).placement(
+        self.num_stages, p.virtual_stages)
+    return [stage_devices[chunk_stages[c]]
+            for c, count in enumerate(self.partition) for _ in range(count)]
+
   def Engine(self, num_micro_batches):
     """The engine that builds a step with M micro-batches: unrolled or loop.
 

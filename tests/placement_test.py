@@ -11,6 +11,7 @@ from lingvo import compat as tf
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
 
+from lingvo_gpipe.engine import pipeline
 from lingvo_gpipe.engine import placement
 from lingvo_gpipe.engine import tpu
 import engine_util
@@ -39,6 +40,54 @@ def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
     expected[(k, device, False)] = forward_runs  # M forwards (+ M recomputes).
     expected[(k, device, True)] = 2  # One weight gradient per micro-batch.
   assert dict(test_util.FCKernelRuns(step_stats)) == expected
+
+
+def _TanhChunk(theta, inputs, state, unused_micro_batch_id):
+  (y,) = inputs
+  for w in theta:
+    y = tf.tanh(tf.matmul(y, w))
+  return (y,), state
+
+
+def _LossChunk(theta, inputs, state, micro_batch_id):
+  (y,), state = _TanhChunk(theta, inputs, state, micro_batch_id)
+  return (tf.reduce_mean(y * y),), state
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zb1p'])
+def testWeightsStayOnTheirChunksDevice(schedule):
+  """Under an outer device scope, as Lingvo's trainer builds, the ops between
+  a chunk's weights (variables on its device) and its loops are on its
+  device: no copy of the weights to the scope's device and back per step."""
+  graph = tf.Graph()
+  with graph.as_default(), tf.device(engine_util.CPUS[0]):
+    weights = []
+    for c in range(2):
+      with tf.device(engine_util.CPUS[c]):
+        weights.append([tf.Variable(w, name=f'chunk{c}_w{i}')
+                        for i, w in enumerate(engine_util.DENSE_WEIGHTS[:2])])
+    loss_inside = schedule != 'gpipe'
+    pipe = pipeline.Pipeline(
+        [_TanhChunk, _LossChunk if loss_inside else _TanhChunk],
+        engine_util.CPUS[:2], 4, remat='never', engine='loop',
+        schedule=schedule)
+    (y,), _ = pipe(weights, [tf.constant(engine_util.DENSE_X)], [(), ()])
+    loss = y if loss_inside else tf.reduce_mean(y * y)
+    tf.gradients(loss, [w for chunk in weights for w in chunk])
+  forwarding = ('ReadVariableOp', 'Identity', 'StopGradient')
+  for c, chunk in enumerate(weights):
+    for w in chunk:
+      reached, ops = set(), [w.handle.op]
+      while ops:
+        op = ops.pop()
+        # TensorFlow runs a resource's reader on the resource's device.
+        if op.type != 'ReadVariableOp':
+          assert tf.DeviceSpec.from_string(op.device).device_index == c, (
+              w.name, op.name, op.device)
+        reached.add(op.type)
+        ops += [consumer for out in op.outputs for consumer in out.consumers()
+                if consumer.type in forwarding]
+      assert 'StopGradient' in reached, (w.name, reached)
 
 
 @pytest.mark.parametrize('num_micro_batches', [2, 8])
@@ -75,6 +124,28 @@ def testTwoStagesOnAFourDeviceSplitRunOnItsFirstTwoDevices():
     expected[(cell, device, False)] = 4  # M forwards + M recomputes.
     expected[(cell, device, True)] = 2  # One weight gradient per micro-batch.
   assert dict(test_util.FCKernelRuns(step_stats)) == expected
+
+
+@pytest.mark.parametrize('schedule,virtual_stages,partition,expected', [
+    ('gpipe', 1, [2, 1], [0, 0, 1]),
+    ('gpipe', 2, [1, 1, 1, 2], [0, 1, 0, 1, 1]),  # Circular: c mod K.
+    ('zbv', 2, [1, 2, 1, 1], [0, 1, 1, 1, 0]),  # The V: 0, 1, 1, 0.
+])
+def testCellDevicesFollowTheChunkPlacement(schedule, virtual_stages,
+                                           partition, expected):
+  devices = ['/device:CPU:0', '/device:CPU:1']
+  pipe = test_util.PipeParams(
+      test_util.FCCells(sum(partition)), num_stages=2, devices=devices,
+      virtual_stages=virtual_stages, partition=partition,
+      schedule=schedule, num_micro_batches=4).Instantiate()
+  assert pipe.CellDevices() == [devices[k] for k in expected]
+
+
+def testCellDevicesBeforeAProfilePartitionIsAnError():
+  pipe = test_util.PipeParams(test_util.FCCells(4), num_stages=2,
+                              partition='flops').Instantiate()
+  with pytest.raises(ValueError, match=r"partition='flops' is decided"):
+    pipe.CellDevices()
 
 
 def testResolution():

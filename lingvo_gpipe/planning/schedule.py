@@ -874,6 +874,8 @@ class Schedule(NamedTuple):
   check_sizes: Callable[[int, int, int], None] = _CheckGPipeSizes
   # Whether its tables split the backward (`Table.split_backward`).
   split_backward: bool = False
+  # (K, v) -> the device of each chunk in its tables (`Table.placement`).
+  placement: Callable[[int, int], Tuple[int, ...]] = DefaultPlacement
 
 
 # The schedules by the name users give (`GPipeSequentialLayer.schedule`).
@@ -894,7 +896,8 @@ SCHEDULES: Dict[str, Schedule] = {
         ZBVTable, True,
         'ZB-V: two chunks per device in a V, the backward split, the weight '
         'gradients in the bubbles; v = 2', _CheckZBVSizes,
-        split_backward=True),
+        split_backward=True,
+        placement=lambda num_devices, unused_v: VPlacement(num_devices)),
 }
 
 
