@@ -117,6 +117,38 @@ def BuildModel(config: Dict[str, Any],
   return params.Instantiate()
 
 
+def BuildModelWithWeightsOnStages(config: Dict[str, Any],
+                                  devices: Sequence[str]):
+  """The 'gpipe' model in graph mode, each cell's variables on its stage.
+
+  An accelerator holds its stage's weights. The model is built once in a
+  scratch graph to learn each cell's device (`CellDevices`), then in the
+  default graph with the variables of cell i (under 'model/<cell i>/') on
+  that device.
+
+  Args:
+    config: A 'gpipe' configuration dict, see `runner.Config`.
+    devices: The stages' devices.
+
+  Returns:
+    The GPipeSequentialLayer.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    scratch = BuildModel(config, devices)
+    cell_devices = dict(zip((c.name for c in scratch.params.cell_tpl),
+                            scratch.CellDevices()))
+
+  def PlaceOnItsCellsDevice(op):
+    scopes = op.name.split('/')
+    if len(scopes) > 2 and scopes[0] == 'model':
+      return cell_devices.get(scopes[1], op.device)
+    return op.device
+
+  with tf.compat.v1.device(PlaceOnItsCellsDevice):
+    return BuildModel(config, devices)
+
+
 def Loss(y):
   """The scalar loss: mean(y^2) of the model's output, or the output itself.
 

@@ -110,7 +110,9 @@ def Config(model: str,
       one core: logical devices of one process share both cores, and a
       stage's independent ops (a backward's two matmuls) run on both. Each
       server has an allocator of its own: the peak is the largest stage's,
-      where on logical devices it is all stages' together.
+      where on logical devices it is all stages' together. Each server
+      holds its stage's weights, and the batch is drawn once, in the first
+      stage's server (`worker`).
 
   Returns:
     A JSON-ready dict.

@@ -355,3 +355,21 @@ def testDevicePeaksHoldACopyOfWhatADeviceReadsFromAnother():
                          'received': 0.0}
   assert peaks[cpu1] == {'peak': 130.0, 'allocated': 198.0, 'end': 0.0,
                          'received': 100.0}
+
+
+def testPinnedStagesHoldTheirOwnWeights():
+  """zbv's V: cells 0-1 and 6-7 on stage 0, cells 2-5 on stage 1."""
+  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  from benchmarks import models
+  from benchmarks import runner
+  # pylint: enable=g-import-not-at-top
+  config = runner.Config('gpipe', 8, 16, 32, 1, 4, 'never', stages=2,
+                         schedule='zbv', virtual_stages=2)
+  devices = ['/device:CPU:0', '/device:CPU:1']
+  with tf.Graph().as_default():
+    model = models.BuildModelWithWeightsOnStages(config, devices)
+    placed = {v.name: v.device for v in model.vars.Flatten()}
+  assert placed == {
+      f'model/fc{i}/{w}/var:0': devices[1 if 2 <= i < 6 else 0]
+      for i in range(8) for w in ('w', 'b')}
