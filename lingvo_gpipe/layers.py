@@ -213,7 +213,7 @@ class GPipeSequentialLayer(base_layer.BaseLayer):
 
   @property
   def partition(self):
-    """Cells per chunk (K v positive ints; chunk c on device c mod K).
+    """Cells per chunk (K v positive ints; the devices: `CellDevices`).
 
     With v = 1, the cells per stage. None before a first FProp decides a
     'flops' or 'profile' partition.

@@ -40,6 +40,21 @@ def DenseStage(theta, inputs, state, micro_batch_id):
   return (x, mask), new_state
 
 
+def TanhChunk(theta, inputs, state, unused_micro_batch_id):
+  """A chunk of tanh layers, one per weight in theta; state passes through."""
+  (y,) = inputs
+  for w in theta:
+    y = tf.tanh(tf.matmul(y, w))
+  return (y,), state
+
+
+def TanhLossChunk(theta, inputs, state, micro_batch_id):
+  """`TanhChunk` then the loss mean(y^2): the last chunk of a loss-inside
+  schedule."""
+  (y,), state = TanhChunk(theta, inputs, state, micro_batch_id)
+  return (tf.reduce_mean(y * y),), state
+
+
 def Plain(weights, x):
   for w in weights:
     x = tf.tanh(tf.matmul(x, w))

@@ -42,18 +42,6 @@ def testKernelsRunOnTheStageDevice(engine, remat, forward_runs):
   assert dict(test_util.FCKernelRuns(step_stats)) == expected
 
 
-def _TanhChunk(theta, inputs, state, unused_micro_batch_id):
-  (y,) = inputs
-  for w in theta:
-    y = tf.tanh(tf.matmul(y, w))
-  return (y,), state
-
-
-def _LossChunk(theta, inputs, state, micro_batch_id):
-  (y,), state = _TanhChunk(theta, inputs, state, micro_batch_id)
-  return (tf.reduce_mean(y * y),), state
-
-
 @pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zb1p'])
 def testWeightsStayOnTheirChunksDevice(schedule):
   """Under an outer device scope, as Lingvo's trainer builds, the ops between
@@ -68,7 +56,8 @@ def testWeightsStayOnTheirChunksDevice(schedule):
                         for i, w in enumerate(engine_util.DENSE_WEIGHTS[:2])])
     loss_inside = schedule != 'gpipe'
     pipe = pipeline.Pipeline(
-        [_TanhChunk, _LossChunk if loss_inside else _TanhChunk],
+        [engine_util.TanhChunk,
+         engine_util.TanhLossChunk if loss_inside else engine_util.TanhChunk],
         engine_util.CPUS[:2], 4, remat='never', engine='loop',
         schedule=schedule)
     (y,), _ = pipe(weights, [tf.constant(engine_util.DENSE_X)], [(), ()])

@@ -302,23 +302,12 @@ def _ZeroBubbleGraph(devices, executor):
   with graph.as_default():
     weights = [tf.constant(w) for w in engine_util.DENSE_WEIGHTS]
     x = tf.constant(engine_util.DENSE_X)
-
-    def Chunk(theta, inputs, state, unused_micro_batch_id):
-      (y,) = inputs
-      for w in theta:
-        y = tf.tanh(tf.matmul(y, w))
-      return (y,), state
-
-    def LossChunk(theta, inputs, state, micro_batch_id):
-      (y,), state = Chunk(theta, inputs, state, micro_batch_id)
-      return (tf.reduce_mean(y * y),), state
-
     if devices is None:
-      (loss,), _ = LossChunk(weights, [x], (), None)
+      (loss,), _ = engine_util.TanhLossChunk(weights, [x], (), None)
     else:
       pipe = pipeline.Pipeline(
-          [Chunk, LossChunk], devices, 4, remat='never', engine='loop',
-          schedule='zb1p', executor=executor)
+          [engine_util.TanhChunk, engine_util.TanhLossChunk], devices, 4,
+          remat='never', engine='loop', schedule='zb1p', executor=executor)
       (loss,), _ = pipe([weights[:2], weights[2:]], [x], [(), ()])
   with graph.as_default():
     return graph, [loss] + tf.gradients(loss, weights)

@@ -529,3 +529,14 @@ def testZeroBubbleNeedsTheLoopEngine(name):
                                    'loop')
   with pytest.raises(schedule.TableError, match='mixes phases'):
     schedule.BuildTable(name, 2, 4, 2 if name == 'zbv' else 1).PhaseRuns()
+
+
+@pytest.mark.parametrize('name,num_stages,virtual_stages', [
+    ('gpipe', 3, 1), ('gpipe', 2, 3), ('1f1b', 2, 2), ('zb1p', 3, 1),
+    ('zbv', 3, 2)])
+def testScheduleKnowsItsTablesPlacement(name, num_stages, virtual_stages):
+  """`Schedule.placement` (what `CellDevices` reads) is its tables'."""
+  table = schedule.BuildTable(name, num_stages, 2 * num_stages,
+                              virtual_stages=virtual_stages)
+  assert schedule.SCHEDULES[name].placement(
+      num_stages, virtual_stages) == table.placement
